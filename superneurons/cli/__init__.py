@@ -1,0 +1,1 @@
+"""The command line: superneurons plan | train | bench | demo."""

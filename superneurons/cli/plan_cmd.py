@@ -1,0 +1,63 @@
+"""superneurons plan: every policy's predicted peak for a zoo network, without a GPU."""
+
+import torch
+
+from .. import models
+from ..capture import capture
+from ..planner import Policy, plan_graph
+from ..units import format_bytes
+from .output import plot_steps, print_table, write_json
+
+POLICIES = [p for p in Policy if p is not Policy.AUTO]
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--strategy", default="cost-aware",
+                        help="recomputation: speed-centric, memory-centric or cost-aware")
+    parser.add_argument("--json", help="write every policy's per-step memory here")
+    parser.add_argument("--plot", help="write a PNG of memory per step for every policy here")
+    parser.add_argument("--explain", action="store_true", help="print the superneurons plan")
+
+
+def add_model_arguments(parser) -> None:
+    parser.add_argument("model", choices=sorted(models.ZOO), help="a network of the paper")
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--image", type=int, help="image size in pixels (default: the usual)")
+    parser.add_argument("--depth", type=int, help="depth for 'resnet' and 'densenet'")
+    parser.add_argument("--growth", type=int, help="growth rate for DenseNet")
+
+
+def build_meta(args):
+    """The zoo network on the meta device: planning allocates nothing."""
+    with torch.device("meta"):
+        model = models.build(args.model, depth=args.depth, growth=args.growth)
+    return model, models.input_shape(args.model, args.batch, args.image)
+
+
+def run(args) -> None:
+    model, shape = build_meta(args)
+    graph = capture(model, shape)
+    plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
+    any_plan = plans[Policy.SUPERNEURONS]
+    rows = [[str(p), format_bytes(pl.peak_bytes),
+             f"{pl.peak_bytes / plans[Policy.BASELINE].peak_bytes:.1%}",
+             pl.num_extra_computations] for p, pl in plans.items()]
+    print_table(f"{args.model}, input {shape}: {len(any_plan.order)} layers, resident "
+                f"{format_bytes(any_plan.resident_bytes)}, l_peak "
+                f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
+                f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
+                ["policy", "predicted peak", "of baseline", "extra layer computations"], rows)
+    if args.explain:
+        print(any_plan.explain())
+    if args.json:
+        write_json(args.json, {
+            "model": args.model, "input_shape": list(shape), "strategy": args.strategy,
+            "num_layers": len(any_plan.order), "resident_bytes": any_plan.resident_bytes,
+            "max_layer_bytes": any_plan.max_layer_bytes, "route": any_plan.route,
+            "extra_computations": {str(k): v for k, v in any_plan.extra_computations.items()},
+            "policies": {str(p): pl.to_dict() for p, pl in plans.items()}})
+    if args.plot:
+        plot_steps(args.plot, f"{args.model}, batch {args.batch}: predicted memory per step",
+                   {str(p): [s.live_bytes for s in pl.steps] for p, pl in plans.items()},
+                   len(any_plan.order))

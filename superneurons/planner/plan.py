@@ -1,0 +1,176 @@
+"""The frozen Plan: route, per-layer costs, per-storage actions, per-step memory, peak."""
+
+from dataclasses import dataclass, field
+
+from ..capture import LayerGraph, capture
+from ..units import format_bytes, parse_bytes
+from .costs import LayerCosts, layer_costs
+from .policy import Action, Policy, Strategy, find_segments, parse_policy, parse_strategy, \
+    storage_actions
+from .predict import live_per_step, predict_buffers, recompute_counts
+from .route import route as build_route
+from .timeline import Timeline, build_timeline
+
+__all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
+
+# "auto" takes the first that fits: fastest first. On an H200 recomputing cheap layers costs less
+# than moving their tensors over the host link, so offloading comes last.
+AUTO_ORDER = (Policy.LIVENESS, Policy.RECOMPUTE, Policy.SUPERNEURONS)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    name: str
+    kind: str
+    forward_bytes: int     # l_f
+    backward_bytes: int    # l_b
+
+
+@dataclass(frozen=True)
+class Step:
+    index: int
+    phase: str             # "forward" or "backward"
+    layer: str
+    live_bytes: int        # activations, gradients and saved tensors live, plus resident state
+    live_tensors: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: Policy
+    strategy: Strategy
+    budget_bytes: int | None
+    graph: LayerGraph = field(repr=False)
+    order: tuple = field(repr=False)           # layer indices in route order
+    timeline: Timeline = field(repr=False)
+    costs: LayerCosts = field(repr=False)
+    segments: tuple = field(repr=False)
+    actions: tuple = field(repr=False)          # Action per storage
+    buffers: tuple = field(repr=False)
+    steps: tuple = field(repr=False)
+    extra_computations: dict = field(repr=False)
+
+    @property
+    def route(self) -> list:
+        return [self.graph.layers[i].name for i in self.order]
+
+    @property
+    def layers(self) -> list:
+        return [LayerInfo(self.graph.layers[i].name, str(self.graph.layers[i].kind),
+                          self.costs.forward[i], self.costs.backward[i]) for i in self.order]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.graph.resident_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(step.live_bytes for step in self.steps) if self.steps else self.resident_bytes
+
+    @property
+    def max_layer_bytes(self) -> int:
+        return self.costs.peak
+
+    @property
+    def num_extra_computations(self) -> int:
+        """Layer forwards replayed per step under this plan's strategy (0 without recompute)."""
+        return self.extra_computations.get(self.strategy, 0) if self.policy.recomputes else 0
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers if b.managed)
+
+    def segment_of(self) -> dict:
+        return {layer: segment for segment in self.segments for layer in segment.layers}
+
+    def live_at(self, step: int) -> list:
+        """Labels of the buffers live during ``step``."""
+        return [b.label for b in self.buffers if b.live_at(step)]
+
+    def in_out(self, step: int) -> tuple:
+        """The paper's in and out sets of ``step``: live before it, and still live after it."""
+        before = {b.label for b in self.buffers if b.live_at(step) and b.live_at(step - 1)}
+        after = {b.label for b in self.buffers if b.live_at(step) and b.live_at(step + 1)}
+        return before, after
+
+    def explain(self) -> str:
+        from .explain import explain
+        return explain(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": str(self.policy), "strategy": str(self.strategy),
+            "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
+            "resident_bytes": self.resident_bytes, "max_layer_bytes": self.max_layer_bytes,
+            "num_layers": len(self.order), "num_extra_computations": self.num_extra_computations,
+            "steps": [{"step": s.index, "phase": s.phase, "layer": s.layer,
+                       "live_bytes": s.live_bytes, "live_tensors": s.live_tensors}
+                      for s in self.steps],
+        }
+
+    def __str__(self) -> str:
+        return (f"Plan({self.policy}, {len(self.order)} layers, peak {format_bytes(self.peak_bytes)}"
+                f", l_peak {format_bytes(self.max_layer_bytes)}, resident "
+                f"{format_bytes(self.resident_bytes)})")
+
+
+def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts, policy: Policy,
+           strategy: Strategy, budget: int | None) -> Plan:
+    segments = (find_segments(graph, order, strategy, costs, offloads=policy.offloads)
+                if policy.recomputes else [])
+    segment_of = {layer: s.index for s in segments for layer in s.layers}
+    actions = storage_actions(graph, policy, segment_of)
+    buffers = predict_buffers(graph, timeline, policy, actions, segments)
+    live_bytes, live_count = live_per_step(buffers, timeline.num_steps)
+    n = len(order)
+    steps = tuple(
+        Step(k, "forward" if k < n else "backward",
+             graph.layers[order[k] if k < n else order[2 * n - 1 - k]].name,
+             live_bytes[k] + graph.resident_bytes, live_count[k])
+        for k in range(2 * n))
+    extra = recompute_counts(graph, timeline, segments, actions) if segments else {}
+    return Plan(policy, strategy, budget, graph, tuple(order), timeline, costs, tuple(segments),
+                tuple(actions), tuple(buffers), steps, extra)
+
+
+def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
+               strategy="cost-aware") -> Plan:
+    """Plan a captured graph. With a budget, a plan that cannot fit raises ValueError."""
+    policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
+    order = build_route(graph)
+    timeline = build_timeline(graph, order)
+    costs = layer_costs(graph)
+    if policy is Policy.AUTO:
+        candidates = [_build(graph, order, timeline, costs, p, strategy, budget) for p in AUTO_ORDER]
+        fitting = [c for c in candidates if budget is None or c.peak_bytes <= budget]
+        if not fitting:
+            _raise_over_budget(candidates[-1], budget)
+        return fitting[0]
+    result = _build(graph, order, timeline, costs, policy, strategy, budget)
+    if budget is not None and result.peak_bytes > budget:
+        smallest = result
+        if policy is not Policy.SUPERNEURONS:
+            smallest = _build(graph, order, timeline, costs, Policy.SUPERNEURONS, strategy, budget)
+        _raise_over_budget(result, budget, smallest)
+    return result
+
+
+def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
+    smallest = smallest or result
+    hint = (f"; policy 'superneurons' needs {format_bytes(smallest.peak_bytes)} "
+            f"({smallest.peak_bytes} bytes)" if smallest is not result else "")
+    raise ValueError(
+        f"policy {str(result.policy)!r} needs at least {format_bytes(result.peak_bytes)} "
+        f"({result.peak_bytes} bytes) for this model and input, more than the budget of "
+        f"{format_bytes(budget)}{hint}. Raise the budget to at least "
+        f"{format_bytes(min(result.peak_bytes, smallest.peak_bytes))} or use a smaller batch.")
+
+
+def plan(model, example_input, policy="superneurons", budget=None, *,
+         strategy="cost-aware") -> Plan:
+    """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
+
+    ``example_input`` is a tensor on any device (meta included) or a shape tuple.
+    """
+    parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
+    return plan_graph(capture(model, example_input), policy, budget, strategy)

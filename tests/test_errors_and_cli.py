@@ -1,0 +1,64 @@
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import superneurons as sn
+from superneurons.cli.main import main
+from superneurons.units import format_bytes, parse_bytes
+
+
+def test_budget_strings():
+    assert parse_bytes("12GiB") == 12 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096 and parse_bytes(None) is None
+    for bad in ("12 parsecs", "-3GiB", 0, True, [1]):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    assert format_bytes(1536) == "1.50 KiB"
+
+
+def test_bad_policy_and_input_say_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="choose one of"):
+        sn.plan(model, (2, 4), policy="fastest")
+    with pytest.raises(ValueError, match="shape"):
+        sn.plan(model, (2, -4))
+    with pytest.raises(ValueError, match="example_input"):
+        sn.plan(model, "a picture")
+    with pytest.raises(ValueError, match="failed on the meta device"):
+        sn.plan(model, (2, 5))
+
+
+def test_a_budget_too_small_names_the_smallest_that_works():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    floor = sn.plan(model, (32, 64), policy="superneurons").peak_bytes
+    with pytest.raises(ValueError, match=f"needs at least .*{floor} bytes"):
+        sn.plan(model, (32, 64), policy="superneurons", budget=floor - 1)
+    with pytest.raises(ValueError, match="superneurons' needs"):
+        sn.plan(model, (32, 64), policy="liveness", budget=floor)
+    assert sn.plan(model, (32, 64), policy="auto", budget=floor).policy is sn.Policy.SUPERNEURONS
+    assert sn.plan(model, (32, 64), policy="auto").policy is sn.Policy.LIVENESS
+
+
+def test_untraceable_model_gets_a_value_error():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+    with pytest.raises(ValueError, match="must not branch on tensor values"):
+        sn.plan(Branchy(), (2, 2))
+
+
+def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "densenet_cifar", "--batch", "4", "--depth", "40", "--json",
+                 str(out_json), "--plot", str(out_png)]) == 0
+    record = json.loads(out_json.read_text())
+    assert set(record["policies"]) == {"baseline", "liveness", "offload", "recompute",
+                                       "superneurons"}
+    steps = record["policies"]["liveness"]["steps"]
+    assert len(steps) == 2 * record["num_layers"]
+    assert out_png.stat().st_size > 10_000
+    assert "superneurons" in capsys.readouterr().out
+    assert main(["plan", "resnet", "--depth", "51", "--batch", "2"]) == 2

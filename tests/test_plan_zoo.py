@@ -1,0 +1,97 @@
+"""The paper's result in the model, on every zoo network; nothing freed is needed later."""
+
+import pytest
+
+from superneurons.capture import capture
+from superneurons.models import input_shape
+from superneurons.planner import Action, Policy, Strategy, plan_graph
+from conftest import meta_model
+
+ZOO = {"alexnet": {}, "vgg16": {}, "vgg19": {}, "resnet50": {}, "resnet101": {},
+       "resnet152": {}, "inception_v4": {}, "densenet121": {}, "densenet_cifar": {},
+       "resnet": {"depth": 35}, "densenet": {"depth": 125}}
+BOUNDED = ["alexnet", "vgg16", "resnet50", "resnet101", "resnet152"]
+POLICIES = [p for p in Policy if p is not Policy.AUTO]
+_cache = {}
+
+
+def plans(name: str, batch: int = 16) -> dict:
+    if (name, batch) not in _cache:
+        graph = capture(meta_model(name, **ZOO[name]), input_shape(name, batch))
+        _cache[name, batch] = {p: plan_graph(graph, p) for p in POLICIES}
+    return _cache[name, batch]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_peak_ordering(name):
+    peak = {p: plan.peak_bytes for p, plan in plans(name).items()}
+    assert peak[Policy.BASELINE] > peak[Policy.LIVENESS] >= peak[Policy.OFFLOAD] \
+        >= peak[Policy.SUPERNEURONS]
+    assert peak[Policy.LIVENESS] > peak[Policy.SUPERNEURONS]
+    assert peak[Policy.RECOMPUTE] >= peak[Policy.SUPERNEURONS]
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_superneurons_approaches_the_largest_layer(name):
+    plan = plans(name)[Policy.SUPERNEURONS]
+    assert plan.peak_bytes <= 1.10 * (plan.resident_bytes + plan.max_layer_bytes)
+
+
+@pytest.mark.parametrize("name", ["alexnet", "resnet50", "inception_v4", "densenet121"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nothing_freed_is_needed_later(name, policy):
+    plan = plans(name)[policy]
+    graph, timeline = plan.graph, plan.timeline
+    by_storage = {b.storage: b for b in plan.buffers if b.storage is not None}
+    segment_of = plan.segment_of()
+
+    def alive(storage, step):
+        return graph.storages[storage].nbytes == 0 or by_storage[storage].live_at(step)
+
+    for layer in graph.layers:
+        for value in (*layer.inputs, *layer.outputs):
+            assert alive(graph.values[value].storage, timeline.fwd(layer.index))
+        for saved in layer.saved:
+            if saved.value is not None:
+                assert alive(graph.values[saved.value].storage, timeline.bwd(layer.index))
+    for segment in plan.segments:   # a replay reads the segment's inputs: they must be there
+        inside = set(segment.layers)
+        needs = [timeline.bwd(l) for l in segment.layers if graph.layers[l].saved]
+        needs += [step for l in segment.layers for v in graph.layers[l].outputs
+                  if plan.actions[graph.values[v].storage] is Action.RECOMPUTE
+                  for step in timeline.backward_uses[graph.values[v].storage]]
+        if needs and segment.strategy is Strategy.SPEED:
+            for value in graph.layers[segment.layers[0]].inputs:
+                if graph.values[value].producer not in inside:
+                    assert alive(graph.values[value].storage, min(needs))
+
+
+def test_recomputation_counts_follow_table1():
+    plan = plans("resnet50")[Policy.SUPERNEURONS]
+    extra = plan.extra_computations
+    assert extra[Strategy.SPEED] <= extra[Strategy.COST_AWARE] <= extra[Strategy.MEMORY]
+    assert extra[Strategy.SPEED] < extra[Strategy.MEMORY]
+    memory = plan_graph(plan.graph, "superneurons", strategy="memory-centric")
+    speed = plan_graph(plan.graph, "superneurons", strategy="speed-centric")
+    assert memory.peak_bytes <= plan.peak_bytes <= speed.peak_bytes
+
+
+def test_alexnet_is_the_papers_23_layers():
+    plan = plans("alexnet")[Policy.LIVENESS]
+    kinds = [layer.kind for layer in plan.layers]
+    assert kinds == ["CONV", "ACT", "LRN", "POOL", "CONV", "ACT", "LRN", "POOL", "CONV", "ACT",
+                     "CONV", "ACT", "CONV", "ACT", "POOL", "FC", "ACT", "DROPOUT", "FC", "ACT",
+                     "DROPOUT", "FC", "SOFTMAX"]
+    assert len(plan.steps) == 46
+
+
+def test_layer_names_are_qualified_module_names():
+    route = plans("resnet50")[Policy.LIVENESS].route
+    assert "layer1.0.conv1" in route and "layer4.2.bn3" in route
+    assert route.index("layer1.0.conv1") < route.index("layer1.0.bn1")
+
+
+def test_explain_says_what_and_why():
+    text = plans("resnet50")[Policy.SUPERNEURONS].explain()
+    assert "layer1.0.bn1" in text and "replayed from segment" in text
+    assert "checkpoint: CONV is expensive" in text
