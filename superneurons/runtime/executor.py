@@ -1,0 +1,272 @@
+"""The executor: runs a captured model's training step in route order, as its Plan says.
+
+Rule 1: layers run in the route's order; each value is dropped from the forward's environment
+        right after its last reader (liveness in forward; autograd does backward's).
+Rule 2: every tensor autograd saves goes through one pack hook: inside a recomputation segment
+        it becomes a slot to replay; in a checkpoint layer it is matched, by storage, with the
+        layer's inputs and outputs, and the plan's action for that storage decides: KEEP (stays
+        as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
+Rule 3: parameters and buffers are model state: saved as they are, never moved.
+"""
+
+import operator
+
+import torch
+from torch import fx
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import _pytree as pytree
+
+from ..planner import Action, Policy
+from ..planner.predict import live_per_step
+from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
+from .pool import TensorPool
+from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
+    restored_buffers
+
+
+def _never(_):
+    raise RuntimeError("a tensor saved during a superneurons replay was read; please report this")
+
+
+class Executor:
+    def __init__(self, plan, device: torch.device, budget_bytes: int):
+        self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
+        graph = plan.graph
+        self.graph, self.gm = graph, graph.graph_module
+        self.num_layers = len(plan.order)
+        self.segment_of = {l: s for s in plan.segments for l in s.layers}
+        self._liveness(graph)
+        managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
+        self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
+        self.pool = TensorPool(device, self.allowance)
+        self.pool.reserve_host(plan.offloaded_bytes)   # one pinned slab per plan
+        self.step_id = 0
+        self.layer = self.segment = self.replaying = None
+        self.records: dict = {}
+        self.pending: list = []
+        self.recomputed_layers = 0
+        self.accounted_peak = 0
+
+    def _liveness(self, graph) -> None:
+        """Rule 1: after which route position each fx node's value can be dropped."""
+        position = {graph.layers[i].node: p for p, i in enumerate(self.plan.order)}
+        last = {}
+        for node in self.gm.graph.nodes:
+            for user in node.users:
+                if user.op == "output":
+                    last[node] = self.num_layers      # returned: never dropped
+                elif user in position:
+                    last[node] = max(last.get(node, -1), position[user])
+        self.free_after = [[] for _ in range(self.num_layers + 1)]
+        for node, at in last.items():
+            self.free_after[at].append(node)
+        self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
+        self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self.segment_last_use = {}
+        for segment in self.plan.segments:
+            inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
+            uses = {}
+            for node, p in inside.items():
+                for arg in node.all_input_nodes:
+                    uses[arg] = max(uses.get(arg, -1), p)
+            self.segment_last_use[segment.index] = uses
+
+    # -- budget --------------------------------------------------------------------------------
+    def allowance(self, step: int, until: int | None = None) -> int:
+        """The pool's room from ``step`` to ``until``: the budget less the rest of the step
+        (pool Rule 3)."""
+        last_step = len(self.unmanaged) - 1
+        step = min(max(step, 0), last_step)
+        until = step if until is None else min(max(until, step), last_step)
+        outside = max(self.unmanaged[step:until + 1])
+        if self.device.type == "cuda":
+            outside = max(outside, torch.cuda.memory_allocated(self.device) - self.pool.device_bytes)
+        return self.budget_bytes - outside
+
+    def _account(self, step: int) -> None:
+        step = min(max(step, 0), len(self.unmanaged) - 1)
+        self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
+
+    def bwd(self, layer_index: int) -> int:
+        return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
+
+    # -- forward -------------------------------------------------------------------------------
+    def run(self, args: tuple):
+        self.step_id += 1
+        self.records, self.pending = {}, []
+        self.param_ptrs = {t.untyped_storage().data_ptr() for t in
+                           (*self.gm.parameters(), *self.gm.buffers())}
+        self.autocast = capture_autocast(self.device)
+        env = dict(zip(self.placeholders, args))
+        for node in self.attrs:
+            env[node] = operator.attrgetter(node.target)(self.gm)
+        with saved_tensors_hooks(self._pack, self._unpack):
+            for position, layer_index in enumerate(self.plan.order):
+                layer = self.graph.layers[layer_index]
+                segment = self.segment_of.get(layer_index)
+                if segment is not None and segment.layers[0] == layer_index:
+                    self.records[segment.index] = self._new_record(segment, env)
+                self.layer, self.segment, self.counter = layer, segment, 0
+                call_args, kwargs, inputs = self._load(layer.node, env)
+                out = self._call(layer, call_args, kwargs)
+                env[layer.node] = out
+                if self.pending:
+                    self._resolve(layer, position, inputs, out)
+                for node in self.free_after[position]:
+                    env.pop(node, None)
+                self.pool.make_room(position, forward=True)
+                self._account(position)
+        self.layer = self.segment = None
+        for record in self.records.values():
+            if not record.alive:
+                record.inputs = None
+        return fx.node.map_arg(self.output.args[0], env.__getitem__)
+
+    @staticmethod
+    def _load(node: fx.Node, env: dict):
+        inputs = []
+
+        def fetch(arg):
+            obj = env[arg]
+            if arg.op != "get_attr" and isinstance(obj, torch.Tensor):
+                inputs.append(obj)
+            return obj
+        return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
+
+    @staticmethod
+    def _call(layer, args, kwargs):
+        node = layer.node
+        if node.op == "call_module":
+            return layer.module(*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+
+    # -- saved tensors (Rule 2) ----------------------------------------------------------------
+    def _pack(self, tensor: torch.Tensor):
+        layer = self.layer
+        if layer is None:
+            return tensor
+        key = (layer.index, self.counter)
+        self.counter += 1
+        if tensor.untyped_storage().data_ptr() in self.param_ptrs:
+            return tensor                                            # Rule 3
+        if self.segment is not None:
+            return SlotRef(self.records[self.segment.index], key)
+        holder = [tensor]
+        self.pending.append(holder)
+        return holder
+
+    def _unpack(self, handle):
+        if isinstance(handle, list):
+            handle = handle[0]
+        if isinstance(handle, torch.Tensor):
+            return handle
+        if isinstance(handle, PoolRef):
+            self._enter_backward_step(handle.step)
+        return handle.get()
+
+    def _enter_backward_step(self, step: int) -> None:
+        if step != getattr(self, "backward_step", None):
+            self.backward_step = step
+            self.pool.unlock_all()
+            self.pool.prefetch_ahead(step)
+            self._account(step)
+
+    def _resolve(self, layer, position: int, inputs: list, out) -> None:
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        by_storage = {}
+        for tensor, value in (*zip(inputs, layer.inputs), *zip(outputs, layer.outputs)):
+            by_storage[tensor.untyped_storage().data_ptr()] = value
+        step = self.bwd(layer.index)
+        actions, policy = self.plan.actions, self.plan.policy
+        for index, holder in enumerate(self.pending):
+            tensor = holder[0]
+            value = by_storage.get(tensor.untyped_storage().data_ptr())
+            if value is None:       # a layer's own tensor (pooling indices, batch statistics)
+                if policy is Policy.SUPERNEURONS:
+                    entry = self.pool.add((self.step_id, layer.index, index),
+                                          storage_bytes(tensor), position)
+                    holder[0] = PoolRef(entry, view_of(tensor), step)
+                continue
+            storage = self.graph.values[value].storage
+            action = actions[storage]
+            if action is Action.OFFLOAD:
+                entry = self.pool.add((self.step_id, storage), storage_bytes(tensor),
+                                      self.plan.timeline.last_forward_use(storage))
+                holder[0] = PoolRef(entry, view_of(tensor), step)
+            elif action is Action.RECOMPUTE:
+                record = self.records[self.segment_of[self.graph.values[value].producer].index]
+                holder[0] = ValueRef(record, value, view_of(tensor))
+        self.pending = []
+
+    # -- recomputation ---------------------------------------------------------------------------
+    def _new_record(self, segment, env: dict) -> SegmentRecord:
+        inputs = {}
+        first_need = self.bwd(segment.layers[-1])
+        for value in segment.inputs:
+            producer = self.graph.values[value].producer
+            node = self.placeholders[0] if producer is None else self.graph.layers[producer].node
+            obj = env[node]
+            storage = self.graph.values[value].storage
+            if isinstance(obj, torch.Tensor) and self.plan.actions[storage] is Action.OFFLOAD:
+                entry = self.pool.add((self.step_id, storage), storage_bytes(obj),
+                                      self.plan.timeline.last_forward_use(storage))
+                obj = PoolRef(entry, view_of(obj), first_need, obj.requires_grad)
+            inputs[node] = obj
+        random = any(self.graph.layers[l].random for l in segment.layers)
+        rng = capture_rng(self.device) if random else None
+        return SegmentRecord(self, segment, inputs, rng, self.autocast)
+
+    def replay(self, record: SegmentRecord, last: int, wanted: set) -> None:
+        """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""
+        segment = record.segment
+        env = {}
+        for node, holder in record.inputs.items():
+            if isinstance(holder, PoolRef):
+                self._enter_backward_step(holder.step)
+                tensor = holder.get().detach()
+                env[node] = tensor.requires_grad_(holder.requires_grad)
+            elif isinstance(holder, torch.Tensor):
+                env[node] = holder.detach().requires_grad_(holder.requires_grad)
+            else:
+                env[node] = holder
+        layers = [self.graph.layers[l] for l in segment.layers[:last + 1]]
+        modules = [l.module for l in layers if l.module is not None]
+        last_use = self.segment_last_use[segment.index]
+        kind, enabled, dtype = record.autocast
+        self.replaying = (record, wanted)
+        try:
+            with torch.enable_grad(), restored_buffers(modules), \
+                    replayed_random(record.rng, self.device), \
+                    torch.autocast(kind, dtype=dtype, enabled=enabled), \
+                    saved_tensors_hooks(self._capture, _never):
+                for position, layer in enumerate(layers):
+                    self.replay_layer, self.replay_counter = layer.index, 0
+                    args, kwargs, _ = self._load(layer.node, env)
+                    out = self._call(layer, args, kwargs)
+                    env[layer.node] = out
+                    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                    for tensor, value in zip(outputs, layer.outputs):
+                        if ("value", value) in wanted:
+                            record.cache["value", value] = tensor.detach()
+                    for node in [n for n, p in last_use.items() if p == position]:
+                        if node not in record.inputs:
+                            env.pop(node, None)
+        finally:
+            self.replaying = None
+        self.recomputed_layers += len(layers)
+
+    def _capture(self, tensor: torch.Tensor):
+        record, wanted = self.replaying
+        key = (self.replay_layer, self.replay_counter)
+        self.replay_counter += 1
+        if key in wanted:
+            record.cache[key] = tensor.detach()
+        return None
+
+    def release(self) -> None:
+        self.records, self.pending = {}, []
+        self.pool.clear()

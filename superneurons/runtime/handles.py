@@ -1,0 +1,79 @@
+"""What autograd keeps in place of a saved tensor, and how it gets the tensor back.
+
+The pack hook returns one of these; the unpack hook calls ``get``. When autograd is done with a
+layer's backward it drops the handle, and ``__del__`` lets the pool or the segment free the bytes:
+liveness in backward comes for free from autograd's own bookkeeping.
+"""
+
+import torch
+
+
+def view_of(tensor: torch.Tensor):
+    return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+
+def rebuild(storage_bytes: torch.Tensor, view) -> torch.Tensor:
+    """The saved view, over the bytes of its storage."""
+    dtype, shape, stride, offset = view
+    out = torch.empty(0, dtype=dtype, device=storage_bytes.device)
+    return out.set_(storage_bytes.untyped_storage(), offset, shape, stride)
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage behind ``tensor``."""
+    out = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    storage = tensor.untyped_storage()
+    return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class PoolRef:
+    """A saved tensor living in the Unified Tensor Pool (may move to host and back)."""
+
+    __slots__ = ("entry", "view", "step", "requires_grad")
+
+    def __init__(self, entry, view, step: int, requires_grad: bool = False):
+        self.entry, self.view, self.step, self.requires_grad = entry, view, step, requires_grad
+        entry.refs += 1
+        entry.need_steps.append(step)
+
+    def get(self) -> torch.Tensor:
+        pool = self.entry.pool
+        return rebuild(pool.fetch(self.entry, self.step), self.view)
+
+    def __del__(self):
+        entry = self.entry
+        entry.refs -= 1
+        if entry.refs == 0:
+            entry.pool.release(entry)
+
+
+class SlotRef:
+    """A tensor saved inside a recomputation segment: dropped now, replayed in backward."""
+
+    __slots__ = ("record", "key")
+
+    def __init__(self, record, key):
+        self.record, self.key = record, key
+        record.hold(key)
+
+    def get(self) -> torch.Tensor:
+        return self.record.take(self.key)
+
+    def __del__(self):
+        self.record.drop(self.key)
+
+
+class ValueRef(SlotRef):
+    """A segment's value saved by a checkpoint layer after it (a conv reading a ReLU's output)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, record, value: int, view):
+        super().__init__(record, ("value", value))
+        self.view = view
+
+    def get(self) -> torch.Tensor:
+        value = self.record.take(self.key)
+        if view_of(value) == self.view:
+            return value
+        return rebuild(storage_bytes(value), self.view)

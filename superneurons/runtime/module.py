@@ -1,0 +1,112 @@
+"""wrap(): a drop-in nn.Module whose training steps run within a memory budget.
+
+Rule 1: the plan is made at the first forward for each input shape and dtype, and reused.
+Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
+        no hook, no copy, no replay (plain PyTorch already frees tensors after last use).
+Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
+        smallest budget that would work.
+Rule 4: no grad (evaluation) runs the model untouched.
+"""
+
+import torch
+from torch import nn
+
+from ..capture import capture
+from ..planner import Policy, parse_policy, parse_strategy, plan_graph
+from ..units import format_bytes, parse_bytes
+from .executor import Executor
+from .stats import StepStats
+
+_MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
+
+
+class SuperNeuronsModule(nn.Module):
+    def __init__(self, model: nn.Module, policy, budget, strategy):
+        super().__init__()
+        self.model = model
+        self.policy = parse_policy(policy)
+        self.strategy = parse_strategy(strategy)
+        self.budget_bytes = parse_bytes(budget)
+        self._executors: dict = {}
+        self._last = None
+
+    def plan_for(self, x: torch.Tensor):
+        """The (cached) plan for inputs like ``x``: (plan, executor or None for plain runs)."""
+        key = (tuple(x.shape), x.dtype, x.device, self.model.training)
+        if key not in self._executors:
+            self._executors[key] = self._make(x)
+        return self._executors[key]
+
+    def _make(self, x: torch.Tensor):
+        graph = capture(self.model, x)
+        budget = self.budget_bytes
+        if budget is not None and x.device.type == "cuda":
+            budget -= self._outside_bytes(x, graph)
+        if self.policy is Policy.AUTO or (budget is not None and self.policy in _MANAGED):
+            try:
+                fast = plan_graph(graph, Policy.LIVENESS, budget, self.strategy)
+                return fast, None                                        # Rule 2
+            except ValueError:
+                if self.policy is Policy.LIVENESS:
+                    raise
+        chosen = Policy.SUPERNEURONS if self.policy is Policy.AUTO else self.policy
+        plan = plan_graph(graph, chosen, budget, self.strategy)          # Rule 3 raises here
+        if plan.policy not in _MANAGED:
+            return plan, None
+        return plan, Executor(plan, x.device, budget if budget is not None else plan.peak_bytes)
+
+    def _outside_bytes(self, x: torch.Tensor, graph) -> int:
+        """Device memory the plan does not know of (optimizer state, the user's tensors)."""
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters()
+                    if p.grad is not None)
+        known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
+        return max(0, torch.cuda.memory_allocated(x.device) - known)
+
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or not isinstance(x, torch.Tensor):
+            raise ValueError("a superneurons-wrapped model takes one tensor input; pass the "
+                             "others to the module's constructor")
+        if not torch.is_grad_enabled():
+            return self.model(x)                                         # Rule 4
+        plan, executor = self.plan_for(x)
+        if x.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(x.device)
+        self._last = (plan, executor)
+        if executor is None:
+            return self.model(x)
+        executor.pool.offloaded_bytes = executor.pool.prefetched_bytes = 0
+        executor.pool.cache_hits = executor.pool.cache_misses = 0
+        executor.recomputed_layers = executor.accounted_peak = 0
+        try:
+            return executor.run((x,))
+        except torch.OutOfMemoryError as error:
+            executor.release()
+            raise RuntimeError(
+                f"out of device memory inside a superneurons step (policy {plan.policy}, budget "
+                f"{format_bytes(executor.budget_bytes)}): something outside the plan holds memory "
+                "(other tensors, another process, fragmentation). The model and optimizer are "
+                "unchanged; lower the budget or the batch, or set PYTORCH_CUDA_ALLOC_CONF="
+                "expandable_segments:True") from error
+
+    @property
+    def stats(self) -> StepStats | None:
+        if self._last is None:
+            return None
+        plan, executor = self._last
+        cuda = next(self.model.parameters(), torch.empty(0)).device.type == "cuda"
+        measured = torch.cuda.max_memory_allocated() if cuda else None
+        if executor is None:
+            return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
+                             measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda)
+        pool = executor.pool
+        return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
+                         measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
+                         pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
+                         executor.recomputed_layers, cuda)
+
+
+def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware"):
+    """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB")."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
+    return SuperNeuronsModule(model, policy, budget, strategy)

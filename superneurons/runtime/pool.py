@@ -1,0 +1,176 @@
+"""The Unified Tensor Pool and its LRU Tensor Cache (the paper's Algorithm 2).
+
+One entry per storage: every saved view of it, by any number of layers, shares the entry, so a
+tensor read by many layers (DenseNet's features) moves once. An entry is ON_DEVICE, TO_HOST
+(offload in flight), ON_HOST, or TO_DEVICE (prefetch in flight); dropped tensors are not
+entries (recomputation owns them).
+
+Rule 1: a tensor leaves the device only when the budget needs the room, least recently used
+        first; tensors still to be read in forward, or read by the layer now running, are locked.
+Rule 2: in backward, tensors come back ahead of need, in the order the route will read them, as
+        far as the budget has room; a tensor needed now and not there is a cache miss.
+Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
+        that step needs; on CUDA, less what is really allocated outside the pool, if more.
+"""
+
+import enum
+from collections import OrderedDict
+
+import torch
+
+from .host import HostSlab
+from .mover import Mover
+
+
+class State(enum.Enum):
+    ON_DEVICE = "on device"
+    TO_HOST = "offload in flight"
+    ON_HOST = "on host"
+    TO_DEVICE = "prefetch in flight"
+
+
+class Entry:
+    __slots__ = ("key", "nbytes", "device", "host", "event", "state", "last_forward_step",
+                 "need_steps", "refs", "pool")
+
+    def __init__(self, pool, key, storage_bytes: torch.Tensor, last_forward_step: int):
+        self.pool, self.key = pool, key
+        self.device = storage_bytes              # uint8 tensor over the whole storage
+        self.nbytes = storage_bytes.numel()
+        self.host = self.event = None
+        self.state = State.ON_DEVICE
+        self.last_forward_step = last_forward_step
+        self.need_steps: list = []               # backward steps that will read it
+        self.refs = 0
+
+    def next_need(self, step: int) -> int:
+        upcoming = [s for s in self.need_steps if s >= step]
+        return min(upcoming) if upcoming else 1 << 60
+
+
+class TensorPool:
+    def __init__(self, device: torch.device, allowance):
+        self.mover = Mover(device)
+        self.slab = HostSlab(pin=self.mover.cuda)
+        self.allowance = allowance               # step -> bytes the pool may hold on the device
+        self.entries: dict = {}                  # key -> Entry
+        self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
+        self.device_bytes = 0
+        self.locked: set = set()                 # keys the running layer reads
+        self.offloaded_bytes = self.prefetched_bytes = 0
+        self.cache_hits = self.cache_misses = 0
+
+    # -- forward -------------------------------------------------------------------------------
+    def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = Entry(self, key, storage_bytes, last_forward_step)
+            self.lru[key] = entry
+            self.device_bytes += entry.nbytes
+        else:
+            entry.last_forward_step = max(entry.last_forward_step, last_forward_step)
+            if key in self.lru:
+                self.lru.move_to_end(key)
+        return entry
+
+    def make_room(self, step: int, forward: bool) -> None:
+        """Rule 1: offload least recently used, unlocked entries until the pool fits."""
+        limit = self.allowance(step)
+        if self.device_bytes <= limit:
+            return
+        for key in list(self.lru):
+            entry = self.lru[key]
+            if key in self.locked or (forward and entry.last_forward_step >= step):
+                continue
+            self._offload(entry)
+            if self.device_bytes <= limit:
+                return
+
+    def _offload(self, entry: Entry) -> None:
+        if entry.host is None:
+            entry.host = self._host_region(entry.nbytes)
+            entry.event = self.mover.to_host(entry.device, entry.host)
+            self.offloaded_bytes += entry.nbytes
+        else:   # the host copy is still valid: saved tensors are not written after saving
+            entry.event = None
+        del self.lru[entry.key]
+        entry.device = None
+        entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
+        self.device_bytes -= entry.nbytes
+
+    def _host_region(self, nbytes: int) -> torch.Tensor:
+        region = self.slab.alloc(nbytes)
+        if region is None:
+            in_use = sum(e.nbytes for e in self.entries.values() if e.host is not None)
+            if in_use == 0:
+                self.slab.reserve(max(2 * self.slab.capacity, nbytes, 64 << 20))
+            else:   # growing would move live regions: take a separate buffer for this one
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.slab.pin)
+            region = self.slab.alloc(nbytes)
+        return region
+
+    # -- backward ------------------------------------------------------------------------------
+    def fetch(self, entry: Entry, step: int) -> torch.Tensor:
+        """The entry's bytes on the device, for a layer at ``step`` (Algorithm 2's Check)."""
+        if entry.state is State.ON_DEVICE:
+            self.cache_hits += 1
+            self.lru.move_to_end(entry.key)
+        elif entry.state is State.TO_DEVICE:
+            self.cache_hits += 1                 # prefetched in time, or nearly
+            self.mover.ready(entry.device, entry.event)
+            entry.state, entry.event = State.ON_DEVICE, None
+            self.lru[entry.key] = entry
+        else:
+            self.cache_misses += 1
+            self.locked.add(entry.key)
+            self.make_room(step, forward=False)
+            self._prefetch(entry)
+            self.mover.ready(entry.device, entry.event)
+            entry.state, entry.event = State.ON_DEVICE, None
+        self.locked.add(entry.key)
+        return entry.device
+
+    def prefetch_ahead(self, step: int) -> None:
+        """Rule 2: bring back the entries backward reads next, while the budget has room."""
+        waiting = [e for e in self.entries.values() if e.state in (State.ON_HOST, State.TO_HOST)]
+        waiting.sort(key=lambda e: e.next_need(step))
+        for entry in waiting:
+            need = entry.next_need(step)
+            if need >= 1 << 60 or self.device_bytes + entry.nbytes > self.allowance(step, need):
+                break
+            self._prefetch(entry)
+
+    def _prefetch(self, entry: Entry) -> None:
+        after = entry.event if entry.state is State.TO_HOST else None
+        try:
+            entry.device, entry.event = self.mover.to_device(entry.host, after)
+        except torch.OutOfMemoryError:
+            self.make_room(0, forward=False)     # evict whatever is unlocked, then retry once
+            entry.device, entry.event = self.mover.to_device(entry.host, after)
+        entry.state = State.TO_DEVICE
+        self.device_bytes += entry.nbytes
+        self.prefetched_bytes += entry.nbytes
+
+    def unlock_all(self) -> None:
+        self.locked.clear()
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def release(self, entry: Entry) -> None:
+        """The last reader is done: free the device copy and return the host region."""
+        if self.entries.pop(entry.key, None) is None:
+            return
+        if entry.device is not None:
+            self.device_bytes -= entry.nbytes
+        self.lru.pop(entry.key, None)
+        if entry.host is not None and entry.host.untyped_storage().data_ptr() == \
+                self.slab.buffer.untyped_storage().data_ptr():
+            self.slab.release(entry.host, entry.event)
+        entry.device = entry.host = None
+
+    def reserve_host(self, num_bytes: int) -> None:
+        if not any(e.host is not None for e in self.entries.values()):
+            self.slab.reserve(num_bytes)
+
+    def clear(self) -> None:
+        for entry in list(self.entries.values()):
+            self.release(entry)

@@ -1,0 +1,97 @@
+"""Recomputation segments at run time: what a segment needs to replay itself, and the replay.
+
+Rule 1: a segment's forward keeps nothing autograd saved; it keeps its inputs (kept or pooled),
+        the random-number state and the autocast state it ran under.
+Rule 2: a replay runs the segment's layers again from those inputs with the same random numbers,
+        and puts back every buffer it touched (BatchNorm's running statistics move once a step).
+Rule 3: speed-centric replays once, up to the last layer still needed, and keeps all it makes
+        until read; memory-centric replays the prefix one backward layer needs, each time.
+"""
+
+import contextlib
+
+import torch
+
+from ..planner import Strategy
+
+
+class SegmentRecord:
+    def __init__(self, executor, segment, inputs: dict, rng, autocast):
+        self.executor = executor
+        self.segment = segment
+        self.inputs = inputs             # fx node -> PoolRef, tensor or other object
+        self.rng = rng                   # (cpu state, device state) or None
+        self.autocast = autocast         # (device type, enabled, dtype)
+        self.alive: dict = {}            # key -> number of handles waiting for it
+        self.cache: dict = {}            # key -> replayed tensor
+
+    def hold(self, key) -> None:
+        self.alive[key] = self.alive.get(key, 0) + 1
+
+    def drop(self, key) -> None:
+        count = self.alive.get(key, 0) - 1
+        if count > 0:
+            self.alive[key] = count
+            return
+        self.alive.pop(key, None)
+        self.cache.pop(key, None)
+        if not self.alive:
+            self.inputs = None           # the segment is done: its inputs may go
+
+    def take(self, key) -> torch.Tensor:
+        if key not in self.cache:
+            self._replay(key)
+        return self.cache[key]
+
+    def _layer_of(self, key) -> int:
+        if key[0] == "value":
+            return self.executor.plan.graph.values[key[1]].producer
+        return key[0]
+
+    def _replay(self, key) -> None:
+        position = {layer: p for p, layer in enumerate(self.segment.layers)}
+        if self.segment.strategy is Strategy.SPEED:
+            wanted = {k for k in self.alive if k not in self.cache}
+            last = max(position[self._layer_of(k)] for k in wanted)
+        else:
+            target = self._layer_of(key)
+            wanted = {k for k in self.alive if self._layer_of(k) == target}
+            last = position[target]
+        self.executor.replay(self, last, wanted)
+
+
+@contextlib.contextmanager
+def restored_buffers(modules: list):
+    """Rule 2: a replay must leave running statistics as the first forward left them."""
+    saved = [(b, b.clone()) for m in modules for b in m.buffers(recurse=False)
+             if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+
+
+@contextlib.contextmanager
+def replayed_random(rng, device: torch.device):
+    """Rule 2: the same random numbers as the forward, without disturbing the global stream."""
+    if rng is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], enabled=True):
+        torch.set_rng_state(rng[0])
+        if cuda:
+            torch.cuda.set_rng_state(rng[1], device)
+        yield
+
+
+def capture_rng(device: torch.device):
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda_state
+
+
+def capture_autocast(device: torch.device):
+    kind = device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
