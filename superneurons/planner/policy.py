@@ -212,13 +212,12 @@ def _choose(strategy: Strategy, layers: list, costs) -> Strategy:
 def storage_actions(graph: LayerGraph, policy: Policy, segment_of: dict) -> list:
     """One Action per storage (Rule 6 for what is offloaded)."""
     actions = []
-    writers: dict = {}
-    for layer in graph.layers:
-        for storage in layer.mutates:
-            writers.setdefault(storage, set()).add(layer.index)
+    producers: dict = {}      # storage -> every layer making a value on it (views, in place)
+    for value in graph.values:
+        producers.setdefault(value.storage, set()).add(value.producer)
     for storage in graph.storages:
         creator = storage.creator
-        touched = {creator} | writers.get(storage.index, set())
+        touched = producers.get(storage.index, {creator})
         if policy.recomputes and creator is not None and all(l in segment_of for l in touched) \
                 and len({segment_of[l] for l in touched}) == 1:
             actions.append(Action.RECOMPUTE)

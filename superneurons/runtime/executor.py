@@ -172,6 +172,7 @@ class Executor:
         if step != getattr(self, "backward_step", None):
             self.backward_step = step
             self.pool.unlock_all()
+            self.pool.make_room(step, forward=False)
             self.pool.prefetch_ahead(step)
             self._account(step)
 

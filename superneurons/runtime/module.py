@@ -42,15 +42,12 @@ class SuperNeuronsModule(nn.Module):
         budget = self.budget_bytes
         if budget is not None and x.device.type == "cuda":
             budget -= self._outside_bytes(x, graph)
-        if self.policy is Policy.AUTO or (budget is not None and self.policy in _MANAGED):
+        if budget is not None and self.policy in _MANAGED:
             try:
-                fast = plan_graph(graph, Policy.LIVENESS, budget, self.strategy)
-                return fast, None                                        # Rule 2
+                return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
             except ValueError:
-                if self.policy is Policy.LIVENESS:
-                    raise
-        chosen = Policy.SUPERNEURONS if self.policy is Policy.AUTO else self.policy
-        plan = plan_graph(graph, chosen, budget, self.strategy)          # Rule 3 raises here
+                pass
+        plan = plan_graph(graph, self.policy, budget, self.strategy)     # Rule 3 raises here
         if plan.policy not in _MANAGED:
             return plan, None
         return plan, Executor(plan, x.device, budget if budget is not None else plan.peak_bytes)

@@ -1,0 +1,101 @@
+"""Budgets: errors before the step, the untouched fast path, auto, and the pool's LRU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import superneurons as sn
+from superneurons import models
+from superneurons.runtime.pool import State, TensorPool
+from equality import assert_same_training
+
+
+def small_resnet():
+    torch.manual_seed(0)
+    return models.resnet(blocks=(1, 1, 1, 1), num_classes=10)
+
+
+X, Y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+
+
+def floor(policy: str) -> int:
+    return sn.plan(small_resnet(), X, policy=policy).peak_bytes
+
+
+def test_budget_below_the_floor_raises_before_the_step():
+    model = small_resnet()
+    before = [p.detach().clone() for p in model.parameters()]
+    wrapped = sn.wrap(model, policy="superneurons", budget=floor("superneurons") - 1)
+    with pytest.raises(ValueError, match=f"at least .*\\({floor('superneurons')} bytes\\)"):
+        wrapped(X)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_arguments_say_what_to_do():
+    with pytest.raises(ValueError, match="choose one of"):
+        sn.wrap(small_resnet(), policy="magic")
+    with pytest.raises(ValueError, match="12GiB"):
+        sn.wrap(small_resnet(), budget="twelve gigs")
+    with pytest.raises(ValueError, match="nn.Module"):
+        sn.wrap(lambda x: x)
+    with pytest.raises(ValueError, match="meta device"):
+        sn.wrap(small_resnet())(torch.randn(2, 5, 32, 32))
+    with pytest.raises(ValueError, match="one tensor input"):
+        sn.wrap(small_resnet())(X, X)
+
+
+def test_a_budget_that_fits_liveness_runs_plain_pytorch():
+    wrapped = sn.wrap(small_resnet(), policy="superneurons", budget=floor("liveness"))
+    F.nll_loss(wrapped(X), Y).backward()
+    plan, executor = wrapped.plan_for(X)
+    assert executor is None and plan.policy is sn.Policy.LIVENESS
+    assert wrapped.stats.offloaded_bytes == 0 and wrapped.stats.recomputed_layers == 0
+
+
+def test_auto_picks_the_fastest_policy_that_fits():
+    budget = (floor("superneurons") + floor("recompute")) // 2
+    wrapped = assert_same_training(small_resnet(), X, Y, steps=2, policy="auto", budget=budget)
+    assert wrapped.stats.policy == "superneurons"
+    assert wrapped.stats.peak_bytes <= budget
+    roomy = sn.wrap(small_resnet(), policy="auto", budget=floor("recompute"))
+    assert roomy.plan_for(X)[0].policy is sn.Policy.RECOMPUTE
+
+
+def test_the_cache_moves_less_when_the_budget_grows():
+    moved = []
+    for budget in (floor("superneurons"), (floor("superneurons") + floor("offload")) // 2):
+        wrapped = assert_same_training(small_resnet(), X, Y, steps=1, policy="superneurons",
+                                       budget=budget)
+        moved.append(wrapped.stats.offloaded_bytes)
+        assert wrapped.stats.peak_bytes <= budget
+    assert moved[0] > moved[1]
+
+
+def test_one_pool_entry_per_storage_for_densenet_features():
+    torch.manual_seed(0)
+    model = models.densenet(16, cifar=True)
+    wrapped = sn.wrap(model, policy="offload")
+    out = wrapped(torch.randn(2, 3, 32, 32))
+    pool = wrapped.plan_for(torch.randn(2, 3, 32, 32))[1].pool
+    storages = [key[1] for key in pool.entries if len(key) == 2]
+    assert len(storages) == len(set(storages)) > 0
+    out.sum().backward()
+    assert not pool.entries and pool.device_bytes == 0      # all released after backward
+
+
+def test_lru_evicts_least_recent_unlocked_and_respects_forward_use():
+    room = {"bytes": 10_000}
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: room["bytes"])
+    a = pool.add("a", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    b = pool.add("b", torch.zeros(4000, dtype=torch.uint8), last_forward_step=5)
+    c = pool.add("c", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    pool.make_room(step=1, forward=True)           # b is still read in forward: a goes
+    assert a.state is State.ON_HOST and b.state is c.state is State.ON_DEVICE
+    pool.locked.add("c")
+    room["bytes"] = 4000
+    pool.make_room(step=6, forward=True)           # c is locked: b goes
+    assert b.state is State.ON_HOST and c.state is State.ON_DEVICE
+    assert pool.offloaded_bytes == 8000
+    torch.equal(pool.fetch(a, step=7), torch.zeros(4000, dtype=torch.uint8))
+    assert pool.cache_misses == 1 and pool.device_bytes <= 8000

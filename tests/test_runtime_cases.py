@@ -1,0 +1,93 @@
+"""The known traps, each on a small network: every policy must train exactly like PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import superneurons as sn
+from equality import assert_same_training
+
+POLICIES = ["offload", "recompute", "superneurons"]
+
+
+class Traps(nn.Module):
+    """Dropout, in-place ReLU, residual +=, a module called twice, a concatenation."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.shared = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                    nn.ReLU(inplace=True))
+        self.proj = nn.Conv2d(8, 8, 1)
+        self.bn = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(16 * 8 * 8, 5)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x), inplace=True)
+        y = self.shared(x)
+        y = self.proj(self.shared(y))  # the same weights and BatchNorm, twice
+        y += x                         # residual, in place
+        z = torch.cat([x, torch.sigmoid(y)], 1)
+        z = self.drop(F.relu(self.bn(z)))
+        return F.log_softmax(self.head(z.flatten(1)), dim=1)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_traps_train_exactly(policy):
+    torch.manual_seed(0)
+    wrapped = assert_same_training(Traps(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)),
+                                   steps=3, policy=policy)
+    if policy != "offload":
+        assert wrapped.stats.recomputed_layers > 0
+
+
+@pytest.mark.parametrize("strategy", ["speed-centric", "memory-centric", "cost-aware"])
+def test_every_recomputation_strategy_is_exact(strategy):
+    torch.manual_seed(0)
+    wrapped = assert_same_training(Traps(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,)),
+                                   steps=2, policy="superneurons", strategy=strategy)
+    assert wrapped.stats.recomputed_layers > 0
+
+
+def test_mlp_with_functional_dropout_and_mse():
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.norm = nn.Linear(16, 32), nn.Linear(32, 4), nn.LayerNorm(32)
+
+        def forward(self, x):
+            h = F.dropout(F.gelu(self.norm(self.fc1(x))), 0.2, self.training)
+            return self.fc2(h)
+    torch.manual_seed(0)
+    assert_same_training(MLP(), torch.randn(8, 16), torch.randn(8, 4), steps=3,
+                         loss_fn=F.mse_loss, policy="superneurons")
+
+
+def test_cpu_autocast_is_replayed_under_autocast():
+    torch.manual_seed(0)
+    model, x, y = Traps(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+
+    def loss_fn(out, target):
+        return F.nll_loss(out.float(), target)
+
+    import copy
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy="superneurons")
+    for m in (plain, wrapped):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(m(x), y).backward()
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert wrapped.stats.recomputed_layers > 0
+
+
+def test_eval_and_no_grad_run_untouched():
+    model = Traps().eval()
+    wrapped = sn.wrap(model, policy="superneurons")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(wrapped(x), model(x))
+    assert wrapped.stats is None
