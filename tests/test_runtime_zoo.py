@@ -22,7 +22,7 @@ SLOW = {
     "resnet152": ({}, (2, 3, 32, 32)),
     "densenet169": ({}, (2, 3, 32, 32)),
     "densenet201": ({}, (2, 3, 32, 32)),
-    "densenet264": ({}, (2, 3, 32, 32)),
+    "densenet264": ({}, (2, 3, 64, 64)),
 }
 POLICIES = ["offload", "recompute", "superneurons"]
 
