@@ -38,8 +38,7 @@ class Executor:
         self._liveness(graph)
         managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
         self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
-        self.pool = TensorPool(device, self.allowance)
-        self.pool.reserve_host(plan.offloaded_bytes)   # one pinned slab per plan
+        self.pool = TensorPool(device, self.allowance, host_hint_bytes=plan.offloaded_bytes)
         self.step_id = 0
         self.layer = self.segment = self.replaying = None
         self.records: dict = {}

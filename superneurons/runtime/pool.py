@@ -49,7 +49,8 @@ class Entry:
 
 
 class TensorPool:
-    def __init__(self, device: torch.device, allowance):
+    def __init__(self, device: torch.device, allowance, host_hint_bytes: int = 0):
+        self.host_hint_bytes = host_hint_bytes   # the most the plan may offload at once
         self.mover = Mover(device)
         self.slab = HostSlab(pin=self.mover.cuda)
         self.allowance = allowance               # step -> bytes the pool may hold on the device
@@ -99,6 +100,8 @@ class TensorPool:
         self.device_bytes -= entry.nbytes
 
     def _host_region(self, nbytes: int) -> torch.Tensor:
+        if self.slab.capacity == 0:              # pinned once, at the first offload
+            self.slab.reserve(max(self.host_hint_bytes, nbytes))
         region = self.slab.alloc(nbytes)
         if region is None:
             in_use = sum(e.nbytes for e in self.entries.values() if e.host is not None)
@@ -166,10 +169,6 @@ class TensorPool:
                 self.slab.buffer.untyped_storage().data_ptr():
             self.slab.release(entry.host, entry.event)
         entry.device = entry.host = None
-
-    def reserve_host(self, num_bytes: int) -> None:
-        if not any(e.host is not None for e in self.entries.values()):
-            self.slab.reserve(num_bytes)
 
     def clear(self) -> None:
         for entry in list(self.entries.values()):

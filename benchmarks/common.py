@@ -1,0 +1,169 @@
+"""Shared by the benchmark scripts: the systems compared, one SGD step, records, bisection.
+
+Systems, all on the same GPU and in the same process:
+- plain: PyTorch as it is;
+- checkpoint: torch.utils.checkpoint (non-reentrant) around every block;
+- save_on_cpu: torch.autograd.graph.save_on_cpu(pin_memory=True) around the step;
+- superneurons: superneurons.wrap(model, policy, budget).
+"""
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import superneurons as sn
+from superneurons import models
+
+
+def environment() -> dict:
+    cuda = torch.cuda.is_available()
+    return {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "superneurons": sn.__version__,
+    }
+
+
+def write(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**environment(), **record}, f, indent=1)
+    print(f"wrote {path}", flush=True)
+
+
+class CheckpointBlocks(nn.Module):
+    """torch.utils.checkpoint around every block (children of Sequentials, ResNet stages)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        for stage in _block_containers(model):
+            for index, block in enumerate(stage):
+                stage[index] = _Checkpointed(block)
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def _block_containers(model):
+    """ResNet stages, DenseNet dense blocks' layers, Inception's Sequential: the repeated units."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            found.append(module)
+        elif isinstance(module, nn.Sequential) and len(module) > 2 and all(
+                len(child._modules) > 0 for child in module):
+            found.append(module)
+    return found
+
+
+class SaveOnCpu(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return self.model(x)
+
+
+def system(name: str, model: nn.Module, **options) -> nn.Module:
+    if name == "plain":
+        return model
+    if name == "checkpoint":
+        return CheckpointBlocks(model)
+    if name == "save_on_cpu":
+        return SaveOnCpu(model)
+    if name == "superneurons":
+        return sn.wrap(model, **options)
+    raise ValueError(name)
+
+
+def make(name: str, batch: int, device, *, depth=None, growth=None, image=None, classes=1000):
+    model = models.build(name, depth=depth, growth=growth, num_classes=classes).to(device)
+    shape = models.input_shape(name, batch, image)
+    x = torch.randn(shape, device=device)
+    y = torch.randint(0, classes, (batch,), device=device)
+    return model, x, y
+
+
+def sgd_step(model, optimizer, x, y, autocast_dtype=None) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(x)
+    loss = F.nll_loss(out.float(), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def throughput(model, x, y, *, steps=8, warmup=3, autocast_dtype=None) -> float:
+    """Images per second over ``steps`` full SGD steps after ``warmup``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    for _ in range(warmup):
+        sgd_step(model, optimizer, x, y, autocast_dtype)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        sgd_step(model, optimizer, x, y, autocast_dtype)
+    torch.cuda.synchronize()
+    return x.shape[0] * steps / (time.perf_counter() - start)
+
+
+def cap_memory(gib: float) -> None:
+    """Emulate a smaller card: the caching allocator refuses past ``gib``."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+
+
+def fits(build, system_name: str, **options) -> bool:
+    """One full SGD step without running out of memory."""
+    model = x = y = wrapped = None
+    try:
+        model, x, y = build()
+        wrapped = system(system_name, model, **options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        sgd_step(wrapped, optimizer, x, y)
+        torch.cuda.synchronize()
+        return True
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        if "out of memory" not in str(error) and "needs at least" not in str(error):
+            raise
+        return False
+    finally:
+        del model, x, y, wrapped
+        torch.cuda.empty_cache()
+
+
+def largest(probe, low: int, high: int, tolerance: float = 0.03) -> int:
+    """The largest n with probe(n) true, given probe(low) true; stops within ``tolerance``."""
+    if not probe(low):
+        return 0
+    while probe(high):
+        low, high = high, high * 2
+    while high - low > max(1, int(low * tolerance)):
+        middle = (low + high) // 2
+        if probe(middle):
+            low = middle
+        else:
+            high = middle
+    return low

@@ -1,0 +1,183 @@
+"""The runtime on CUDA: exact training, measured memory per step against the plan, speed.
+
+    python benchmarks/gpu_check.py OUT_DIR [--quick]
+
+Writes cuda_equality.json, memory_per_step.json (+ .png) and throughput_fits.json.
+"""
+
+import copy
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import superneurons as sn
+from common import make, sgd_step, system, throughput, write
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "out"
+QUICK = "--quick" in sys.argv
+POLICIES = ["offload", "recompute", "superneurons"]
+
+
+def equality(name: str, batch: int, steps: int = 3) -> dict:
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.manual_seed(0)
+    model, x, y = make(name, batch, "cuda")
+    runs = {}
+    for policy in ["plain", *POLICIES]:
+        replica = copy.deepcopy(model)
+        wrapped = system("plain" if policy == "plain" else "superneurons", replica, policy=policy)
+        optimizer = torch.optim.SGD(replica.parameters(), lr=0.01, momentum=0.9)
+        torch.manual_seed(1)
+        losses = [sgd_step(wrapped, optimizer, x, y).item() for _ in range(steps)]
+        stats = wrapped.stats.as_dict() if policy != "plain" else None
+        runs[policy] = (losses, replica.state_dict(), stats)
+        del wrapped, optimizer
+    reference_losses, reference_state, _ = runs["plain"]
+    result = {}
+    for policy in POLICIES:
+        losses, state, stats = runs[policy]
+        diffs = [((a.double() - b.double()).abs().max() / (a.double().abs().max() + 1e-12)).item()
+                 for a, b in zip(reference_state.values(), state.values()) if a.is_floating_point()]
+        result[policy] = {"losses": losses, "plain_losses": reference_losses,
+                          "max_relative_state_difference": max(diffs),
+                          "equal_within_1e-3": max(diffs) < 1e-3 and all(
+                              abs(a - b) <= 1e-4 * abs(a) for a, b in zip(losses, reference_losses)),
+                          "stats": stats}
+    torch.backends.cudnn.deterministic = False
+    return result
+
+
+class StepRecorder:
+    """Device memory at every module layer's forward and backward step.
+
+    A forward hook reads the allocator's counters; a pre-hook on the output's grad_fn reads them
+    again when backward reaches that layer (no extra autograd nodes, so in-place ReLU still works).
+    """
+
+    def __init__(self, model):
+        self.records, self.calls = [], {}
+        self.in_forward = False           # layers replayed in backward are not steps
+        self.handles = [m.register_forward_hook(self._forward(name))
+                        for name, m in model.named_modules() if not m._modules]
+
+    def _read(self, phase, name):
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self.records.append((phase, name, torch.cuda.memory_allocated(), peak))
+
+    def _forward(self, name):
+        def hook(module, args, output):
+            if not self.in_forward:
+                return
+            count = self.calls[name] = self.calls.get(name, 0) + 1
+            label = name if count == 1 else f"{name}#{count}"
+            self._read("forward", label)
+            if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                output.grad_fn.register_prehook(lambda grads: self._read("backward", label))
+        return hook
+
+    def reset(self):
+        self.records, self.calls = [], {}
+
+
+def memory_per_step(name: str, batch: int) -> dict:
+    torch.manual_seed(0)
+    model, x, y = make(name, batch, "cuda")
+    optimizer_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # momentum
+    result = {}
+    for policy in ["liveness", *POLICIES]:
+        wrapped = sn.wrap(model, policy=policy)
+        recorder = StepRecorder(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        sgd_step(wrapped, optimizer, x, y)                    # grads and momentum now exist
+        torch.cuda.reset_peak_memory_stats()
+        optimizer.zero_grad(set_to_none=False)
+        recorder.in_forward = True
+        out = wrapped(x)
+        recorder.in_forward = False
+        F.nll_loss(out, y).backward()
+        torch.cuda.synchronize()
+        plan = sn.plan(model, x, policy=policy)
+        predicted = {(s.phase, s.layer): s.live_bytes for s in plan.steps}
+        steps = [{"phase": phase, "layer": label,
+                  "measured_bytes": after - optimizer_bytes - x.numel() * 4,
+                  "measured_peak_bytes": peak - optimizer_bytes - x.numel() * 4,
+                  "predicted_bytes": predicted.get((phase, label))}
+                 for phase, label, after, peak in recorder.records]
+        result[policy] = {
+            "predicted_peak_bytes": plan.peak_bytes,
+            "measured_peak_bytes": torch.cuda.max_memory_allocated() - optimizer_bytes,
+            "step_peak_bytes": max(s["measured_peak_bytes"] for s in steps),
+            "steps": steps}
+        for handle in recorder.handles:
+            handle.remove()
+        del wrapped, optimizer
+        torch.cuda.empty_cache()
+    return result
+
+
+def plot_memory(records: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, axes = plt.subplots(1, len(records), figsize=(6 * len(records), 4))
+    for axis, (name, policies) in zip(axes, records.items()):
+        for policy, record in policies.items():
+            steps = record["steps"]
+            line, = axis.plot([s["measured_peak_bytes"] / 2**20 for s in steps], lw=1,
+                              label=f"{policy} measured")
+            axis.plot([(s["predicted_bytes"] or float("nan")) / 2**20 for s in steps], lw=1,
+                      ls="--", color=line.get_color(), label=f"{policy} predicted")
+        axis.set_title(name)
+        axis.set_xlabel("module step (forward, then backward)")
+        axis.set_ylabel("MiB")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def speed(name: str, batch: int) -> dict:
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    result = {}
+    plan = None
+    for label, system_name, options in [
+            ("plain", "plain", {}),
+            ("superneurons, budget fits", "superneurons", {"policy": "superneurons",
+                                                           "budget": "120GiB"}),
+            ("superneurons, floor budget", "superneurons", {"policy": "superneurons"}),
+            ("recompute, floor budget", "superneurons", {"policy": "recompute"}),
+            ("checkpoint", "checkpoint", {}), ("save_on_cpu", "save_on_cpu", {})]:
+        model, x, y = make(name, batch, "cuda")
+        wrapped = system(system_name, model, **options)
+        torch.cuda.reset_peak_memory_stats()
+        result[label] = {"images_per_s": throughput(wrapped, x, y),
+                         "peak_bytes": torch.cuda.max_memory_allocated()}
+        if system_name == "superneurons":
+            result[label]["stats"] = wrapped.stats.as_dict()
+        del model, x, y, wrapped
+        torch.cuda.empty_cache()
+    base = result["plain"]["images_per_s"]
+    for value in result.values():
+        value["of_plain"] = value["images_per_s"] / base
+    return result
+
+
+if __name__ == "__main__":
+    sizes = {"equality": 4 if QUICK else 8, "memory": 8 if QUICK else 32, "speed": 64}
+    write(f"{OUT}/cuda_equality.json", {
+        "what": "3 SGD steps, deterministic cuDNN, each policy at its floor budget vs plain",
+        "resnet50": equality("resnet50", sizes["equality"]),
+        "densenet121": equality("densenet121", sizes["equality"])})
+    records = {name: memory_per_step(name, batch) for name, batch in
+               [("alexnet", 4 * sizes["memory"]), ("resnet50", sizes["memory"]),
+                ("densenet121", sizes["memory"])]}
+    write(f"{OUT}/memory_per_step.json", {"what": "device bytes per module step (activations, "
+                                          "grads, params; optimizer state and input excluded)",
+                                          "networks": records})
+    plot_memory(records, f"{OUT}/memory_per_step.png")
+    write(f"{OUT}/throughput_fits.json", {
+        "what": "images/s, fp32, full SGD steps, no memory cap",
+        "resnet50_batch64": speed("resnet50", 64),
+        "densenet121_batch32": speed("densenet121", 32)})
