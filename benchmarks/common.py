@@ -61,6 +61,8 @@ class _Checkpointed(nn.Module):
         self.block = block
 
     def forward(self, *args):
+        # a DenseNet layer gets the growing list of features: checkpoint a copy of it
+        args = [list(a) if isinstance(a, list) else a for a in args]
         return checkpoint(self.block, *args, use_reentrant=False)
 
 

@@ -6,6 +6,7 @@ Writes cuda_equality.json, memory_per_step.json (+ .png) and throughput_fits.jso
 """
 
 import copy
+import gc
 import sys
 
 import torch
@@ -20,6 +21,8 @@ POLICIES = ["offload", "recompute", "superneurons"]
 
 
 def equality(name: str, batch: int, steps: int = 3) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     torch.manual_seed(0)
     model, x, y = make(name, batch, "cuda")
@@ -82,6 +85,8 @@ class StepRecorder:
 
 
 def memory_per_step(name: str, batch: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
     model, x, y = make(name, batch, "cuda")
     optimizer_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # momentum
@@ -93,6 +98,7 @@ def memory_per_step(name: str, batch: int) -> dict:
         sgd_step(wrapped, optimizer, x, y)                    # grads and momentum now exist
         torch.cuda.reset_peak_memory_stats()
         optimizer.zero_grad(set_to_none=False)
+        leftover = torch.cuda.memory_allocated() - 3 * optimizer_bytes - x.numel() * 4
         recorder.in_forward = True
         out = wrapped(x)
         recorder.in_forward = False
@@ -106,6 +112,7 @@ def memory_per_step(name: str, batch: int) -> dict:
                   "predicted_bytes": predicted.get((phase, label))}
                  for phase, label, after, peak in recorder.records]
         result[policy] = {
+            "leftover_bytes_before_step": leftover,
             "predicted_peak_bytes": plan.peak_bytes,
             "measured_peak_bytes": torch.cuda.max_memory_allocated() - optimizer_bytes,
             "step_peak_bytes": max(s["measured_peak_bytes"] for s in steps),
@@ -113,6 +120,7 @@ def memory_per_step(name: str, batch: int) -> dict:
         for handle in recorder.handles:
             handle.remove()
         del wrapped, optimizer
+        gc.collect()
         torch.cuda.empty_cache()
     return result
 

@@ -97,5 +97,9 @@ def test_lru_evicts_least_recent_unlocked_and_respects_forward_use():
     pool.make_room(step=6, forward=True)           # c is locked: b goes
     assert b.state is State.ON_HOST and c.state is State.ON_DEVICE
     assert pool.offloaded_bytes == 8000
-    torch.equal(pool.fetch(a, step=7), torch.zeros(4000, dtype=torch.uint8))
-    assert pool.cache_misses == 1 and pool.device_bytes <= 8000
+    assert torch.equal(pool.fetch(a, step=7), torch.zeros(4000, dtype=torch.uint8))
+    assert pool.cache_misses == 1 and a.state is State.ON_DEVICE and "a" in pool.lru
+    assert torch.equal(pool.fetch(a, step=8), torch.zeros(4000, dtype=torch.uint8))
+    assert pool.cache_hits == 1
+    pool.release(a)
+    assert "a" not in pool.lru and pool.device_bytes == 4000

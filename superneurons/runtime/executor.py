@@ -10,6 +10,7 @@ Rule 3: parameters and buffers are model state: saved as they are, never moved.
 """
 
 import operator
+import weakref
 
 import torch
 from torch import fx
@@ -24,13 +25,25 @@ from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_rando
     restored_buffers
 
 
+def foreign_bytes(graph, x: torch.Tensor) -> int:
+    """Device memory the plan does not know of: optimizer state, the user's other tensors."""
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in graph.graph_module.parameters()
+                if p.grad is not None)
+    known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
+    return max(0, torch.cuda.memory_allocated(x.device) - known)
+
+
 def _never(_):
     raise RuntimeError("a tensor saved during a superneurons replay was read; please report this")
 
 
 class Executor:
-    def __init__(self, plan, device: torch.device, budget_bytes: int):
+    def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
+        # a user's budget covers all device memory (optimizer state, other tensors); the
+        # policy's own floor covers only what the plan knows
+        self.count_foreign = count_foreign
+        self.foreign_bytes = 0
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
         self.num_layers = len(plan.order)
@@ -38,7 +51,9 @@ class Executor:
         self._liveness(graph)
         managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
         self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
-        self.pool = TensorPool(device, self.allowance, host_hint_bytes=plan.offloaded_bytes)
+        this = weakref.ref(self)       # the pool must not keep its executor alive
+        self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),
+                               host_hint_bytes=plan.offloaded_bytes)
         self.step_id = 0
         self.layer = self.segment = self.replaying = None
         self.records: dict = {}
@@ -80,8 +95,9 @@ class Executor:
         until = step if until is None else min(max(until, step), last_step)
         outside = max(self.unmanaged[step:until + 1])
         if self.device.type == "cuda":
-            outside = max(outside, torch.cuda.memory_allocated(self.device) - self.pool.device_bytes)
-        return self.budget_bytes - outside
+            ours = torch.cuda.memory_allocated(self.device) - self.pool.device_bytes
+            outside = max(outside, ours - self.foreign_bytes)
+        return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
@@ -97,6 +113,8 @@ class Executor:
         self.param_ptrs = {t.untyped_storage().data_ptr() for t in
                            (*self.gm.parameters(), *self.gm.buffers())}
         self.autocast = capture_autocast(self.device)
+        if self.device.type == "cuda":
+            self.foreign_bytes = foreign_bytes(self.graph, args[0])
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = operator.attrgetter(node.target)(self.gm)

@@ -14,7 +14,7 @@ from torch import nn
 from ..capture import capture
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..units import format_bytes, parse_bytes
-from .executor import Executor
+from .executor import Executor, foreign_bytes
 from .stats import StepStats
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
@@ -41,7 +41,7 @@ class SuperNeuronsModule(nn.Module):
         graph = capture(self.model, x)
         budget = self.budget_bytes
         if budget is not None and x.device.type == "cuda":
-            budget -= self._outside_bytes(x, graph)
+            budget -= foreign_bytes(graph, x)
         if budget is not None and self.policy in _MANAGED:
             try:
                 return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
@@ -50,14 +50,9 @@ class SuperNeuronsModule(nn.Module):
         plan = plan_graph(graph, self.policy, budget, self.strategy)     # Rule 3 raises here
         if plan.policy not in _MANAGED:
             return plan, None
-        return plan, Executor(plan, x.device, budget if budget is not None else plan.peak_bytes)
-
-    def _outside_bytes(self, x: torch.Tensor, graph) -> int:
-        """Device memory the plan does not know of (optimizer state, the user's tensors)."""
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters()
-                    if p.grad is not None)
-        known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
-        return max(0, torch.cuda.memory_allocated(x.device) - known)
+        if self.budget_bytes is None:
+            return plan, Executor(plan, x.device, plan.peak_bytes, count_foreign=False)
+        return plan, Executor(plan, x.device, self.budget_bytes)
 
     def forward(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor):

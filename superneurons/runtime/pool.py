@@ -130,6 +130,7 @@ class TensorPool:
             self._prefetch(entry)
             self.mover.ready(entry.device, entry.event)
             entry.state, entry.event = State.ON_DEVICE, None
+            self.lru[entry.key] = entry
         self.locked.add(entry.key)
         return entry.device
 

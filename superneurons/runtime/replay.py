@@ -9,6 +9,7 @@ Rule 3: speed-centric replays once, up to the last layer still needed, and keeps
 """
 
 import contextlib
+import weakref
 
 import torch
 
@@ -17,7 +18,7 @@ from ..planner import Strategy
 
 class SegmentRecord:
     def __init__(self, executor, segment, inputs: dict, rng, autocast):
-        self.executor = executor
+        self._executor = weakref.ref(executor)   # no cycle: records die with their step
         self.segment = segment
         self.inputs = inputs             # fx node -> PoolRef, tensor or other object
         self.rng = rng                   # (cpu state, device state) or None
@@ -45,7 +46,7 @@ class SegmentRecord:
 
     def _layer_of(self, key) -> int:
         if key[0] == "value":
-            return self.executor.plan.graph.values[key[1]].producer
+            return self._executor().plan.graph.values[key[1]].producer
         return key[0]
 
     def _replay(self, key) -> None:
@@ -57,7 +58,7 @@ class SegmentRecord:
             target = self._layer_of(key)
             wanted = {k for k in self.alive if self._layer_of(k) == target}
             last = position[target]
-        self.executor.replay(self, last, wanted)
+        self._executor().replay(self, last, wanted)
 
 
 @contextlib.contextmanager
