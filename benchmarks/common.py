@@ -8,6 +8,7 @@ Systems, all on the same GPU and in the same process:
 """
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -139,7 +140,13 @@ def cap_memory(gib: float) -> None:
 
 def fits(build, system_name: str, **options) -> bool:
     """One full SGD step without running out of memory."""
-    model = x = y = wrapped = None
+    ok = _try_step(build, system_name, options)
+    gc.collect()                          # the failed step's graph and frames hold memory
+    torch.cuda.empty_cache()
+    return ok
+
+
+def _try_step(build, system_name, options) -> bool:
     try:
         model, x, y = build()
         wrapped = system(system_name, model, **options)
@@ -148,18 +155,19 @@ def fits(build, system_name: str, **options) -> bool:
         torch.cuda.synchronize()
         return True
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
-        if "out of memory" not in str(error) and "needs at least" not in str(error):
+        if "memory" not in str(error) and "needs at least" not in str(error):
             raise
+        error.__traceback__ = None
         return False
-    finally:
-        del model, x, y, wrapped
-        torch.cuda.empty_cache()
 
 
-def largest(probe, low: int, high: int, tolerance: float = 0.03) -> int:
-    """The largest n with probe(n) true, given probe(low) true; stops within ``tolerance``."""
-    if not probe(low):
-        return 0
+def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03) -> int:
+    """The largest n with probe(n) true; bisection stops within ``tolerance``."""
+    while not probe(low):
+        if low <= 1:
+            return 0
+        high, low = low, max(1, low // 2)
+    high = high or low * 2
     while probe(high):
         low, high = high, high * 2
     while high - low > max(1, int(low * tolerance)):

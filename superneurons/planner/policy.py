@@ -172,6 +172,11 @@ def find_segments(graph: LayerGraph, order: list, strategy: Strategy, costs,
 def _costly_replays(graph: LayerGraph, segment_of: dict, costs) -> set:
     """Rule 7: producers whose value is cheaper to store than to replay for an outside reader."""
     size = [s.nbytes for s in graph.storages]
+    savers: dict = {}                     # value -> layers whose backward reads it
+    for consumer in graph.layers:
+        for saved in consumer.saved:
+            if saved.value is not None:
+                savers.setdefault(saved.value, set()).add(consumer.index)
     members: dict = {}
     for layer_index in sorted(segment_of):
         members.setdefault(segment_of[layer_index], []).append(layer_index)
@@ -186,19 +191,13 @@ def _costly_replays(graph: LayerGraph, segment_of: dict, costs) -> set:
             layer = graph.layers[layer_index]
             replay_bytes += sum(size[graph.values[v].storage] for v in layer.outputs
                                 if graph.storages[graph.values[v].storage].creator == layer_index)
-            for reader in _outside_savers(graph, layer, inside):
+            readers = {r for v in layer.outputs for r in savers.get(v, ())} - inside
+            for reader in readers:
                 value_bytes = sum(size[graph.values[v].storage] for v in layer.outputs)
                 if replay_bytes + costs.backward[reader] > costs.peak and \
                         value_bytes < replay_bytes:
                     demoted.add(layer_index)
     return demoted
-
-
-def _outside_savers(graph: LayerGraph, layer, inside: set):
-    outputs = set(layer.outputs)
-    for consumer in graph.layers:
-        if consumer.index not in inside and any(s.value in outputs for s in consumer.saved):
-            yield consumer.index
 
 
 def _choose(strategy: Strategy, layers: list, costs) -> Strategy:

@@ -7,6 +7,10 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
         layer's inputs and outputs, and the plan's action for that storage decides: KEEP (stays
         as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
 Rule 3: parameters and buffers are model state: saved as they are, never moved.
+Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan seen so far
+        (allocator rounding, cuDNN workspaces), and never counts on more than is free.
+Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
+        the device has left; a second failure is the caller's clear error.
 """
 
 import operator
@@ -44,6 +48,9 @@ class Executor:
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
         self.foreign_bytes = 0
+        # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan;
+        # the pool leaves room for the largest excess seen so far (Rule 4).
+        self.excess_ratio, self.seen_ratio = 1.25, 1.0
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
         self.num_layers = len(plan.order)
@@ -96,12 +103,16 @@ class Executor:
         outside = max(self.unmanaged[step:until + 1])
         if self.device.type == "cuda":
             ours = torch.cuda.memory_allocated(self.device) - self.pool.device_bytes
-            outside = max(outside, ours - self.foreign_bytes)
+            outside = max(int(outside * self.excess_ratio), ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
+        if self.device.type == "cuda":
+            ours = torch.cuda.memory_allocated(self.device) - self.foreign_bytes
+            ours -= self.pool.device_bytes
+            self.seen_ratio = max(self.seen_ratio, ours / max(1, self.unmanaged[step]))
 
     def bwd(self, layer_index: int) -> int:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
@@ -115,6 +126,7 @@ class Executor:
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda":
             self.foreign_bytes = foreign_bytes(self.graph, args[0])
+            self.excess_ratio = max(self.excess_ratio, min(self.seen_ratio, 3.0))
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = operator.attrgetter(node.target)(self.gm)
@@ -126,7 +138,12 @@ class Executor:
                     self.records[segment.index] = self._new_record(segment, env)
                 self.layer, self.segment, self.counter = layer, segment, 0
                 call_args, kwargs, inputs = self._load(layer.node, env)
-                out = self._call(layer, call_args, kwargs)
+                try:
+                    out = self._call(layer, call_args, kwargs)
+                except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
+                    self.pool.make_room(position, forward=True, limit=0)
+                    self.pending, self.counter = [], 0
+                    out = self._call(layer, call_args, kwargs)
                 env[layer.node] = out
                 if self.pending:
                     self._resolve(layer, position, inputs, out)

@@ -74,9 +74,9 @@ class TensorPool:
                 self.lru.move_to_end(key)
         return entry
 
-    def make_room(self, step: int, forward: bool) -> None:
+    def make_room(self, step: int, forward: bool, limit: int | None = None) -> None:
         """Rule 1: offload least recently used, unlocked entries until the pool fits."""
-        limit = self.allowance(step)
+        limit = self.allowance(step) if limit is None else limit
         if self.device_bytes <= limit:
             return
         for key in list(self.lru):

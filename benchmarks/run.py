@@ -1,0 +1,204 @@
+"""The paper's evaluation on one GPU, side by side with PyTorch's own memory tools.
+
+    python benchmarks/run.py PART [PART...] --out DIR [--cap-gib 12]
+
+PART: depth, batch, speed, densenet, recompute, cache (memory per step: gpu_check.py).
+Every part writes DIR/PART.json with the command, device and versions. The card is capped at
+--cap-gib with torch.cuda.set_per_process_memory_fraction; superneurons gets the same budget.
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+import superneurons as sn  # noqa: E402
+from superneurons import models  # noqa: E402
+from common import cap_memory, fits, largest, make, system, throughput, write  # noqa: E402
+
+SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
+# where each bisection starts: the anchors in DESIGN.md (batch, or ResNet stage-3 blocks n)
+BATCH_START = {"alexnet": (2560, 2880), "vgg16": (148, 156), "inception_v4": (70, 200),
+               "resnet50": (140, 344), "resnet101": (96, 256), "resnet152": (66, 188),
+               "densenet201": (61, 116)}
+
+
+def options_for(name: str, budget_gib: float) -> dict:
+    return {"policy": "superneurons", "budget": f"{budget_gib}GiB"} if name == "superneurons" else {}
+
+
+def start_for(system_name: str, anchors: tuple) -> int:
+    plain, checkpointed = anchors
+    return {"plain": plain, "checkpoint": checkpointed, "save_on_cpu": plain,
+            "superneurons": checkpointed}[system_name]
+
+
+def depth_part(args) -> dict:
+    """Deepest bottleneck ResNet [3, 4, n, 3] at batch 16 per system."""
+    result = {}
+    for name in args.systems:
+        start = {"plain": 240, "checkpoint": 624, "save_on_cpu": 864, "superneurons": 864}[name]
+        began = time.time()
+        n3 = largest(lambda n: fits(lambda: _resnet(n, 16), name, **options_for(name, args.budget)),
+                     start, tolerance=0.03)
+        result[name] = {"n3": n3, "depth": 3 * (n3 + 10) + 2, "seconds": time.time() - began}
+        print(name, result[name], flush=True)
+    return result
+
+
+def _resnet(n3: int, batch: int):
+    model = models.resnet(blocks=(3, 4, n3, 3)).cuda()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    return model, x, torch.randint(0, 1000, (batch,), device="cuda")
+
+
+def batch_part(args) -> dict:
+    result = {}
+    for network in args.networks:
+        result[network] = {}
+        for name in args.systems:
+            began = time.time()
+            batch = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
+                                           **options_for(name, args.budget)),
+                            start_for(name, BATCH_START[network]), tolerance=0.03)
+            result[network][name] = {"batch": batch, "seconds": time.time() - began}
+            print(network, name, result[network][name], flush=True)
+    return result
+
+
+def speed_part(args) -> dict:
+    """Images/s against batch, fp32 and bf16 autocast with channels_last, under the cap."""
+    result = {}
+    for network in args.networks:
+        rows = result[network] = []
+        for batch in args.batches:
+            for dtype in ("fp32", "bf16"):
+                for name in args.systems:
+                    row = {"batch": batch, "dtype": dtype, "system": name}
+                    row.update(_speed(network, batch, name, dtype, args.budget))
+                    rows.append(row)
+                    print(network, row, flush=True)
+    return result
+
+
+def _speed(network, batch, name, dtype, budget_gib) -> dict:
+    torch.backends.cudnn.benchmark = True
+    model = x = y = wrapped = None
+    try:
+        model, x, y = make(network, batch, "cuda")
+        if dtype == "bf16":
+            model, x = model.to(memory_format=torch.channels_last), \
+                x.to(memory_format=torch.channels_last)
+        wrapped = system(name, model, **options_for(name, budget_gib))
+        torch.cuda.reset_peak_memory_stats()
+        speed = throughput(wrapped, x, y, steps=5, warmup=2,
+                           autocast_dtype=torch.bfloat16 if dtype == "bf16" else None)
+        out = {"images_per_s": speed, "peak_bytes": torch.cuda.max_memory_allocated()}
+        if name == "superneurons":
+            out["stats"] = wrapped.stats.as_dict()
+        return out
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        return {"images_per_s": None, "error": str(error).splitlines()[0][:200]}
+    finally:
+        del model, x, y, wrapped
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def densenet_part(args) -> dict:
+    """Deepest DenseNet-BC (k=12, 32 px, batch 64) per system, and the plan's memory by depth."""
+    def build(depth):
+        model = models.densenet(depth, 12, cifar=True).cuda()
+        x = torch.randn(64, 3, 32, 32, device="cuda")
+        return model, x, torch.randint(0, 10, (64,), device="cuda")
+    result = {}
+    for name in args.systems:
+        start = {"plain": 262, "checkpoint": 1372, "save_on_cpu": 262, "superneurons": 1372}[name]
+        n = largest(lambda n: fits(lambda: build(6 * n + 4), name, **options_for(name, args.budget)),
+                    (start - 4) // 6, tolerance=0.03)
+        result[name] = {"depth": 6 * n + 4}
+        print(name, result[name], flush=True)
+    return result
+
+
+def recompute_part(args) -> dict:
+    """Extra layer computations per strategy (Table 1), from the planner: no GPU needed."""
+    result = {}
+    for network in ("alexnet", "vgg16", "resnet50", "resnet101", "resnet152", "inception_v4",
+                    "densenet121"):
+        with torch.device("meta"):
+            model = models.build(network)
+        shape = models.input_shape(network, 32)
+        graph = sn.planner.plan(model, shape, "superneurons").graph
+        row = {}
+        for strategy in sn.Strategy:
+            plan = sn.planner.plan_graph(graph, "superneurons", strategy=strategy)
+            row[str(strategy)] = {"extra_layer_computations": plan.num_extra_computations,
+                                  "peak_bytes": plan.peak_bytes}
+        row["l_peak_bytes"] = plan.max_layer_bytes
+        row["resident_bytes"] = plan.resident_bytes
+        result[network] = row
+        print(network, row, flush=True)
+    return result
+
+
+def cache_part(args) -> dict:
+    """Bytes moved per step with the Tensor Cache (superneurons under the budget) and without it
+    (offload at the policy's floor: everything offloaded), as the batch grows (Table 3)."""
+    result = {}
+    for network in args.networks:
+        rows = result[network] = []
+        for batch in args.batches:
+            row = {"batch": batch}
+            for label, options in (("with_cache", {"policy": "superneurons",
+                                                   "budget": f"{args.budget}GiB"}),
+                                   ("without_cache", {"policy": "superneurons"})):
+                model, x, y = make(network, batch, "cuda")
+                wrapped = sn.wrap(model, **options)
+                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+                from common import sgd_step
+                try:
+                    sgd_step(wrapped, optimizer, x, y)
+                    row[label] = wrapped.stats.as_dict()
+                except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+                    row[label] = {"error": str(error).splitlines()[0][:200]}
+                del model, x, y, wrapped, optimizer
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(network, row, flush=True)
+    return result
+
+
+PARTS = {"depth": depth_part, "batch": batch_part, "speed": speed_part,
+         "densenet": densenet_part, "recompute": recompute_part, "cache": cache_part}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("parts", nargs="+", choices=sorted(PARTS))
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--cap-gib", type=float, default=12.0)
+    parser.add_argument("--budget", type=float, default=None,
+                        help="superneurons' budget in GiB (default: the cap less 0.5 GiB)")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS)
+    parser.add_argument("--networks", nargs="+", default=list(BATCH_START))
+    parser.add_argument("--batches", nargs="+", type=int, default=[64, 140, 280])
+    args = parser.parse_args()
+    args.budget = args.budget or args.cap_gib - 0.5
+    if torch.cuda.is_available():
+        cap_memory(args.cap_gib)
+    for part in args.parts:
+        began = time.time()
+        record = PARTS[part](args)
+        write(os.path.join(args.out, f"{part}.json"),
+              {"part": part, "cap_gib": args.cap_gib, "superneurons_budget_gib": args.budget,
+               "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+               "seconds": time.time() - began, "results": record})
+
+
+if __name__ == "__main__":
+    main()
