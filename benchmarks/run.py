@@ -187,6 +187,7 @@ def main():
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--networks", nargs="+", default=list(BATCH_START))
     parser.add_argument("--batches", nargs="+", type=int, default=[64, 140, 280])
+    parser.add_argument("--tag", default="", help="suffix of the record's file name")
     args = parser.parse_args()
     args.budget = args.budget or args.cap_gib - 0.5
     if torch.cuda.is_available():
@@ -194,7 +195,7 @@ def main():
     for part in args.parts:
         began = time.time()
         record = PARTS[part](args)
-        write(os.path.join(args.out, f"{part}.json"),
+        write(os.path.join(args.out, f"{part}{args.tag}.json"),
               {"part": part, "cap_gib": args.cap_gib, "superneurons_budget_gib": args.budget,
                "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                "seconds": time.time() - began, "results": record})
