@@ -103,3 +103,22 @@ def test_lru_evicts_least_recent_unlocked_and_respects_forward_use():
     assert pool.cache_hits == 1
     pool.release(a)
     assert "a" not in pool.lru and pool.device_bytes == 4000
+
+
+def test_a_layer_retried_after_running_out_of_memory_trains_exactly(monkeypatch):
+    """Rule 5 of the executor: handles made by the failed attempt must not release anything."""
+    from superneurons.runtime.executor import Executor
+    calls = {"n": 0}
+    real_call = Executor._call
+
+    def flaky(layer, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:                       # a BatchNorm in a segment, mid-forward
+            real_call(layer, args, kwargs)        # runs (and saves), then "runs out"
+            raise torch.OutOfMemoryError("simulated")
+        return real_call(layer, args, kwargs)
+    monkeypatch.setattr(Executor, "_call", staticmethod(flaky))
+    model = small_resnet()
+    wrapped = sn.wrap(model, policy="superneurons")
+    F.nll_loss(wrapped(X), Y).backward()
+    assert calls["n"] > 5 and wrapped.stats.recomputed_layers > 0

@@ -153,6 +153,7 @@ class Executor:
                 self._account(position)
         self.layer = self.segment = None
         for record in self.records.values():
+            record.sealed = True
             if not record.alive:
                 record.inputs = None
         return fx.node.map_arg(self.output.args[0], env.__getitem__)

@@ -25,6 +25,7 @@ class SegmentRecord:
         self.autocast = autocast         # (device type, enabled, dtype)
         self.alive: dict = {}            # key -> number of handles waiting for it
         self.cache: dict = {}            # key -> replayed tensor
+        self.sealed = False              # forward done: no new handles will come
 
     def hold(self, key) -> None:
         self.alive[key] = self.alive.get(key, 0) + 1
@@ -36,7 +37,7 @@ class SegmentRecord:
             return
         self.alive.pop(key, None)
         self.cache.pop(key, None)
-        if not self.alive:
+        if not self.alive and self.sealed:
             self.inputs = None           # the segment is done: its inputs may go
 
     def take(self, key) -> torch.Tensor:
