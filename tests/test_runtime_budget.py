@@ -113,7 +113,7 @@ def test_a_layer_retried_after_running_out_of_memory_trains_exactly(monkeypatch)
 
     def flaky(layer, args, kwargs):
         calls["n"] += 1
-        if calls["n"] == 5:                       # a BatchNorm in a segment, mid-forward
+        if calls["n"] == 2:                       # stem.1, a BatchNorm in a segment
             real_call(layer, args, kwargs)        # runs (and saves), then "runs out"
             raise torch.OutOfMemoryError("simulated")
         return real_call(layer, args, kwargs)
@@ -121,4 +121,4 @@ def test_a_layer_retried_after_running_out_of_memory_trains_exactly(monkeypatch)
     model = small_resnet()
     wrapped = sn.wrap(model, policy="superneurons")
     F.nll_loss(wrapped(X), Y).backward()
-    assert calls["n"] > 5 and wrapped.stats.recomputed_layers > 0
+    assert calls["n"] > 2 and wrapped.stats.recomputed_layers > 0
