@@ -62,3 +62,19 @@ def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
     assert "superneurons" in capsys.readouterr().out
     assert main(["plan", "resnet", "--depth", "51", "--batch", "2"]) == 2
+
+
+def test_cli_train_summarizes_the_step(capsys):
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "2",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "layers recomputed" in out and "superneurons" in out
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "1",
+                 "--device", "cpu", "--budget", "1KB"]) == 2
+
+
+@pytest.mark.slow
+def test_cli_train_launches_data_parallel_processes(capfd):
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "2", "--steps", "1",
+                 "--device", "cpu", "--nproc", "2"]) == 0
+    assert "x 2 processes" in capfd.readouterr().out

@@ -17,12 +17,14 @@ def main(argv=None) -> int:
         demo_cmd.add_arguments(commands.add_parser("demo", help="the default job (CPU is fine)"))
     except ImportError:
         train_cmd = demo_cmd = None
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command is None:
         if demo_cmd is None:
             parser.print_help()
             return 0
-        args = parser.parse_args(["demo", *(argv or [])])
+        args = parser.parse_args(["demo", *argv])
     module = {"plan": plan_cmd, "train": train_cmd, "demo": demo_cmd}[args.command]
     try:
         module.run(args)

@@ -1,5 +1,8 @@
 """superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
 
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -22,6 +25,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cpu", "cuda"])
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="data-parallel processes (torchrun, DistributedDataParallel); "
+                             "--batch is per process")
 
 
 def _progress(total: int):
@@ -32,22 +38,50 @@ def _progress(total: int):
         return None
 
 
+def _launch(args) -> None:
+    """Start ``nproc`` copies of this command under torchrun, one per rank."""
+    argv = list(args.argv)
+    at = argv.index("--nproc") if "--nproc" in argv else None
+    argv = argv[:at] + argv[at + 2:] if at is not None else [a for a in argv
+                                                             if not a.startswith("--nproc=")]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}   # never NVLink multicast on shared hosts
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", "-m", "superneurons.cli.main", *argv]
+    code = subprocess.run(command, env=env).returncode
+    if code:
+        raise SystemExit(code)
+
+
 def run(args) -> None:
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA build of PyTorch and a GPU; use --device cpu")
-    device = torch.device(args.device)
-    torch.manual_seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    if world > 1:
+        import torch.distributed as dist
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(0)                       # the same initial weights on every rank
     classes = 10 if args.model == "densenet_cifar" else 1000
     model = models.build(args.model, depth=args.depth, growth=args.growth,
                          num_classes=classes).to(device)
+    torch.manual_seed(1 + rank)                # each rank its own data
     shape = models.input_shape(args.model, args.batch, args.image)
     x = torch.randn(shape, device=device)
     y = torch.randint(0, classes, (args.batch,), device=device)
     wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
+    stats_of = wrapped
+    if world > 1:   # each rank plans and budgets its own replica
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(
+            wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    if torch.is_grad_enabled():
-        wrapped.plan_for(x)                  # a budget too small fails here, before any step
-    bar = _progress(args.steps)
+    stats_of.plan_for(x)                     # a budget too small fails here, before any step
+    bar = _progress(args.steps) if rank == 0 else None
     start = time.perf_counter()
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
@@ -56,19 +90,27 @@ def run(args) -> None:
         optimizer.step()
         if bar is not None:
             elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{loss.item():.3f}", img_s=f"{args.batch * (step + 1) / elapsed:.1f}",
-                            peak=format_bytes(wrapped.stats.peak_bytes))
+            bar.set_postfix(loss=f"{loss.item():.3f}",
+                            img_s=f"{world * args.batch * (step + 1) / elapsed:.1f}",
+                            peak=format_bytes(stats_of.stats.peak_bytes))
             bar.update()
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    stats = wrapped.stats
-    print_table(f"{args.model}, batch {args.batch}, {args.steps} steps on {device}",
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    stats = stats_of.stats
+    print_table(f"{args.model}, batch {args.batch} x {world} processes, {args.steps} steps on "
+                f"{device}",
                 ["what", "value"], [
                     ["policy run", stats.policy],
-                    ["images per second", f"{args.batch * args.steps / elapsed:.1f}"],
+                    ["images per second (all processes)",
+                     f"{world * args.batch * args.steps / elapsed:.1f}"],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
