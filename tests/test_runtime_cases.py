@@ -91,3 +91,24 @@ def test_eval_and_no_grad_run_untouched():
     with torch.no_grad():
         assert torch.equal(wrapped(x), model(x))
     assert wrapped.stats is None
+
+
+def test_grad_scaler_works_unchanged():
+    torch.manual_seed(0)
+    model, x, y = Traps(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    import copy
+    results = []
+    for managed in (False, True):
+        replica = copy.deepcopy(model)
+        net = sn.wrap(replica, policy="superneurons") if managed else replica
+        optimizer = torch.optim.SGD(replica.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        torch.manual_seed(1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            scaler.scale(F.nll_loss(net(x), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        results.append([p.detach().clone() for p in replica.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
