@@ -122,3 +122,12 @@ def test_a_layer_retried_after_running_out_of_memory_trains_exactly(monkeypatch)
     wrapped = sn.wrap(model, policy="superneurons")
     F.nll_loss(wrapped(X), Y).backward()
     assert calls["n"] > 2 and wrapped.stats.recomputed_layers > 0
+
+
+def test_range_max_agrees_with_max():
+    from superneurons.runtime.executor import _RangeMax
+    values = [(i * 7919) % 101 for i in range(300)]
+    table = _RangeMax(values)
+    for first in range(0, 300, 7):
+        for last in range(first, 300, 13):
+            assert table(first, last) == max(values[first:last + 1])

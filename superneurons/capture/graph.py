@@ -88,6 +88,3 @@ class LayerGraph:
         producers = {self.values[v].producer for v in self.layers[index].inputs}
         producers.discard(None)
         return producers | self.order_deps.get(index, set())
-
-    def storage_of(self, value: int) -> Storage:
-        return self.storages[self.values[value].storage]

@@ -37,6 +37,25 @@ def foreign_bytes(graph, x: torch.Tensor) -> int:
     return max(0, torch.cuda.memory_allocated(x.device) - known)
 
 
+class _RangeMax:
+    """max(values[first..last]) in O(1) after O(n log n) set-up (a sparse table): the pool asks
+    it for every tensor it considers prefetching, on networks of thousands of steps."""
+
+    def __init__(self, values: list):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            previous = self.levels[-1]
+            self.levels.append([max(previous[i], previous[i + width])
+                                for i in range(len(previous) - width)])
+            width *= 2
+
+    def __call__(self, first: int, last: int) -> int:
+        level = (last - first + 1).bit_length() - 1
+        table = self.levels[level]
+        return max(table[first], table[last - (1 << level) + 1])
+
+
 def _never(_):
     raise RuntimeError("a tensor saved during a superneurons replay was read; please report this")
 
@@ -58,6 +77,7 @@ class Executor:
         self._liveness(graph)
         managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
         self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
+        self.unmanaged_max = _RangeMax(self.unmanaged)
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),
                                host_hint_bytes=plan.offloaded_bytes)
@@ -100,7 +120,7 @@ class Executor:
         last_step = len(self.unmanaged) - 1
         step = min(max(step, 0), last_step)
         until = step if until is None else min(max(until, step), last_step)
-        outside = max(self.unmanaged[step:until + 1])
+        outside = self.unmanaged_max(step, until)
         if self.device.type == "cuda":
             ours = torch.cuda.memory_allocated(self.device) - self.pool.device_bytes
             outside = max(int(outside * self.excess_ratio), ours - self.foreign_bytes)

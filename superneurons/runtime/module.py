@@ -63,7 +63,7 @@ class SuperNeuronsModule(nn.Module):
         plan, executor = self.plan_for(x)
         if x.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(x.device)
-        self._last = (plan, executor)
+        self._last = (plan, executor, x.device)
         if executor is None:
             return self.model(x)
         executor.pool.offloaded_bytes = executor.pool.prefetched_bytes = 0
@@ -84,9 +84,9 @@ class SuperNeuronsModule(nn.Module):
     def stats(self) -> StepStats | None:
         if self._last is None:
             return None
-        plan, executor = self._last
-        cuda = next(self.model.parameters(), torch.empty(0)).device.type == "cuda"
-        measured = torch.cuda.max_memory_allocated() if cuda else None
+        plan, executor, device = self._last
+        cuda = device.type == "cuda"
+        measured = torch.cuda.max_memory_allocated(device) if cuda else None
         if executor is None:
             return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
                              measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda)

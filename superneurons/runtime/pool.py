@@ -60,6 +60,7 @@ class TensorPool:
         self.locked: set = set()                 # keys the running layer reads
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
+        self._waiting = None                     # host entries by next need, rebuilt lazily
 
     # -- forward -------------------------------------------------------------------------------
     def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:
@@ -95,6 +96,7 @@ class TensorPool:
         else:   # the host copy is still valid: saved tensors are not written after saving
             entry.event = None
         del self.lru[entry.key]
+        self._waiting = None
         entry.device = None
         entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
         self.device_bytes -= entry.nbytes
@@ -136,9 +138,15 @@ class TensorPool:
 
     def prefetch_ahead(self, step: int) -> None:
         """Rule 2: bring back the entries backward reads next, while the budget has room."""
-        waiting = [e for e in self.entries.values() if e.state in (State.ON_HOST, State.TO_HOST)]
-        waiting.sort(key=lambda e: e.next_need(step))
-        for entry in waiting:
+        if self._waiting is None:
+            self._waiting = sorted(
+                (e for e in self.entries.values() if e.state in (State.ON_HOST, State.TO_HOST)),
+                key=lambda e: e.next_need(step))
+        while self._waiting and self._waiting[0].state not in (State.ON_HOST, State.TO_HOST):
+            self._waiting.pop(0)                 # fetched or released since
+        for entry in list(self._waiting):
+            if entry.state not in (State.ON_HOST, State.TO_HOST):
+                continue
             need = entry.next_need(step)
             if need >= 1 << 60 or self.device_bytes + entry.nbytes > self.allowance(step, need):
                 break
