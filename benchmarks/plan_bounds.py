@@ -28,5 +28,10 @@ if __name__ == "__main__":
             rows[name][batch] = {"peak_bytes": plan.peak_bytes, "bound_bytes": bound,
                                  "ratio": round(plan.peak_bytes / bound, 4)}
         print(name, {b: r["ratio"] for b, r in rows[name].items()}, flush=True)
+    with torch.device("meta"):     # the depth target: model state alone at ResNet-2624
+        deep = models.resnet(blocks=(3, 4, 864, 3))
+    param_bytes = sum(p.numel() * p.element_size() for p in deep.parameters())
     write(f"{out}/plan_bounds.json", {"what": "superneurons predicted peak / (resident + l_peak)",
-                                      "results": rows})
+                                      "results": rows,
+                                      "resnet2624_param_bytes": param_bytes,
+                                      "resnet2624_params_grads_momentum_bytes": 3 * param_bytes})

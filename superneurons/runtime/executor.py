@@ -104,14 +104,17 @@ class Executor:
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        self.segment_last_use = {}
+        self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
         for segment in self.plan.segments:
             inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
             uses = {}
             for node, p in inside.items():
                 for arg in node.all_input_nodes:
                     uses[arg] = max(uses.get(arg, -1), p)
-            self.segment_last_use[segment.index] = uses
+            free = [[] for _ in segment.layers]
+            for node, p in uses.items():
+                free[p].append(node)
+            self.segment_free_after[segment.index] = free
 
     # -- budget --------------------------------------------------------------------------------
     def allowance(self, step: int, until: int | None = None) -> int:
@@ -291,7 +294,7 @@ class Executor:
                 env[node] = holder
         layers = [self.graph.layers[l] for l in segment.layers[:last + 1]]
         modules = [l.module for l in layers if l.module is not None]
-        last_use = self.segment_last_use[segment.index]
+        free_after = self.segment_free_after[segment.index]
         kind, enabled, dtype = record.autocast
         self.replaying = (record, wanted)
         try:
@@ -308,7 +311,7 @@ class Executor:
                     for tensor, value in zip(outputs, layer.outputs):
                         if ("value", value) in wanted:
                             record.cache["value", value] = tensor.detach()
-                    for node in [n for n, p in last_use.items() if p == position]:
+                    for node in free_after[position]:
                         if node not in record.inputs:
                             env.pop(node, None)
         finally:
