@@ -131,3 +131,17 @@ def test_range_max_agrees_with_max():
     for first in range(0, 300, 7):
         for last in range(first, 300, 13):
             assert table(first, last) == max(values[first:last + 1])
+
+
+def test_a_roomier_budget_moves_nothing_and_replays_less():
+    x, y = torch.randn(4, 3, 96, 96), torch.randint(0, 10, (4,))   # activations dominate
+    low = sn.plan(small_resnet(), x, policy="recompute").peak_bytes
+    high = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    replayed = []
+    for budget in (None, (low + high) // 2, low + 9 * (high - low) // 10):
+        wrapped = assert_same_training(small_resnet(), x, y, steps=2, policy="superneurons",
+                                       budget=budget)
+        replayed.append(wrapped.stats.recomputed_layers)
+        if budget is not None:
+            assert wrapped.stats.offloaded_bytes == 0   # it fits with nothing moved
+    assert 0 < replayed[2] < replayed[1] and replayed[2] < replayed[0]

@@ -7,8 +7,9 @@ from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
 from .policy import Action, Policy, Strategy, find_segments, parse_policy, parse_strategy, \
     storage_actions
-from .predict import live_per_step, predict_buffers, recompute_counts
+from .predict import _SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
+from .trim import replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
 __all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
@@ -80,6 +81,19 @@ class Plan:
     def offloaded_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers if b.managed)
 
+    def replay_inputs(self) -> dict:
+        """Per segment, the inputs some replay reads; those no replay reaches can go early."""
+        needs = _SegmentNeeds(self.graph, self.timeline, self.segments, self.actions)
+        result = {}
+        for segment in self.segments:
+            replays = needs.replays[segment.index]
+            last = max((position for _, position in replays), default=-1)
+            inside = set(segment.layers)
+            result[segment.index] = tuple(dict.fromkeys(
+                v for l in segment.layers[:last + 1] for v in self.graph.layers[l].inputs
+                if self.graph.values[v].producer not in inside))
+        return result
+
     def segment_of(self) -> dict:
         return {layer: segment for segment in self.segments for layer in segment.layers}
 
@@ -115,9 +129,10 @@ class Plan:
 
 
 def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts, policy: Policy,
-           strategy: Strategy, budget: int | None) -> Plan:
-    segments = (find_segments(graph, order, strategy, costs, offloads=policy.offloads)
-                if policy.recomputes else [])
+           strategy: Strategy, budget: int | None, segments: list | None = None) -> Plan:
+    if segments is None:
+        segments = (find_segments(graph, order, strategy, costs, offloads=policy.offloads)
+                    if policy.recomputes else [])
     segment_of = {layer: s.index for s in segments for layer in s.layers}
     actions = storage_actions(graph, policy, segment_of)
     buffers = predict_buffers(graph, timeline, policy, actions, segments)
@@ -147,6 +162,11 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
             _raise_over_budget(candidates[-1], budget)
         return fitting[0]
     result = _build(graph, order, timeline, costs, policy, strategy, budget)
+    if budget is not None and result.peak_bytes <= budget and policy.recomputes:
+        def build(p, segments):
+            return _build(graph, order, timeline, costs, p, strategy, budget, segments)
+        candidates = find_segments(graph, order, strategy, costs, offloads=False)
+        result = replay_only_what_the_budget_needs(result, budget, build, candidates)
     if budget is not None and result.peak_bytes > budget:
         smallest = result
         if policy is not Policy.SUPERNEURONS:

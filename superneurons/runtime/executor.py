@@ -104,6 +104,7 @@ class Executor:
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self.replay_inputs = self.plan.replay_inputs()
         self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
         for segment in self.plan.segments:
             inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
@@ -265,7 +266,7 @@ class Executor:
     def _new_record(self, segment, env: dict) -> SegmentRecord:
         inputs = {}
         first_need = self.bwd(segment.layers[-1])
-        for value in segment.inputs:
+        for value in self.replay_inputs[segment.index]:
             producer = self.graph.values[value].producer
             node = self.placeholders[0] if producer is None else self.graph.layers[producer].node
             obj = env[node]
