@@ -51,7 +51,7 @@ def _layer_name(node: fx.Node, seen: dict) -> str:
 
 def capture(model: nn.Module, example_input) -> LayerGraph:
     """The layer graph of ``model`` for inputs shaped like ``example_input``."""
-    if isinstance(example_input, torch.Size) or isinstance(example_input, (tuple, list)):
+    if isinstance(example_input, (tuple, list)):          # a shape (torch.Size is a tuple)
         if not all(isinstance(d, int) and d > 0 for d in example_input):
             raise ValueError(f"an input shape must be positive integers, got {tuple(example_input)}")
         example = torch.empty(tuple(example_input), device="meta")

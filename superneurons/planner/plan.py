@@ -7,7 +7,7 @@ from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
 from .policy import Action, Policy, Strategy, find_segments, parse_policy, parse_strategy, \
     storage_actions
-from .predict import _SegmentNeeds, live_per_step, predict_buffers, recompute_counts
+from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
 from .trim import replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
@@ -83,7 +83,7 @@ class Plan:
 
     def replay_inputs(self) -> dict:
         """Per segment, the inputs some replay reads; those no replay reaches can go early."""
-        needs = _SegmentNeeds(self.graph, self.timeline, self.segments, self.actions)
+        needs = SegmentNeeds(self.graph, self.timeline, self.segments, self.actions)
         result = {}
         for segment in self.segments:
             replays = needs.replays[segment.index]

@@ -31,7 +31,7 @@ def _label(graph: LayerGraph, storage: int) -> str:
     return "input" if creator is None else graph.layers[creator].name
 
 
-class _SegmentNeeds:
+class SegmentNeeds:
     """When each segment is replayed in backward, how far, and what each replay reads."""
 
     def __init__(self, graph: LayerGraph, timeline: Timeline, segments: list, actions: list):
@@ -60,7 +60,7 @@ class _SegmentNeeds:
 def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actions: list,
                     segments: list) -> list:
     last_step = timeline.num_steps - 1
-    needs = _SegmentNeeds(graph, timeline, segments, actions)
+    needs = SegmentNeeds(graph, timeline, segments, actions)
     extra_uses = [[] for _ in graph.storages]   # segment inputs are read again at each replay
     for segment in segments:
         inside = set(segment.layers)
@@ -164,7 +164,7 @@ def live_per_step(buffers: list, num_steps: int) -> tuple:
 def recompute_counts(graph: LayerGraph, timeline: Timeline, segments: list, actions: list) -> dict:
     """Extra layer computations per step for each strategy (the paper's Table 1)."""
     counts = {Strategy.SPEED: 0, Strategy.MEMORY: 0, Strategy.COST_AWARE: 0}
-    needs = _SegmentNeeds(graph, timeline, segments, actions)
+    needs = SegmentNeeds(graph, timeline, segments, actions)
     for segment in segments:
         positions = [segment.layers.index(l) for l in needs.needed_layers[segment.index]]
         if not positions:
