@@ -8,7 +8,8 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
         as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
 Rule 3: parameters and buffers are model state: saved as they are, never moved.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan seen so far
-        (allocator rounding, cuDNN workspaces), and never counts on more than is free.
+        (allocator rounding, cuDNN workspaces), and counts what is really allocated when that
+        is more than the plan says.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error.
 """
@@ -67,14 +68,16 @@ class Executor:
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
         self.foreign_bytes = 0
-        # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan;
-        # the pool leaves room for the largest excess seen so far (Rule 4).
+        # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan
+        # (measured 1.02-1.42x, BENCHMARKS.md); the pool leaves room for the largest excess seen
+        # in earlier steps, 25% before it has seen one (Rule 4).
         self.excess_ratio, self.seen_ratio = 1.25, 1.0
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
         self.num_layers = len(plan.order)
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
+        self._replay_liveness(graph)
         managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
         self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
         self.unmanaged_max = _RangeMax(self.unmanaged)
@@ -104,6 +107,9 @@ class Executor:
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+
+    def _replay_liveness(self, graph) -> None:
+        """What each segment's replays read, and after which position a replay may drop a value."""
         self.replay_inputs = self.plan.replay_inputs()
         self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
         for segment in self.plan.segments:
