@@ -112,3 +112,29 @@ def test_grad_scaler_works_unchanged():
         results.append([p.detach().clone() for p in replica.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_models_returning_several_outputs_and_input_gradients():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            self.a, self.b = nn.Linear(8 * 8 * 8, 5), nn.Linear(8 * 8 * 8, 3)
+
+        def forward(self, x):
+            h = self.body(x).flatten(1)
+            return {"main": F.log_softmax(self.a(h), 1), "aux": self.b(h)}
+
+    torch.manual_seed(0)
+    model, x = TwoHeads(), torch.randn(4, 3, 8, 8)
+    import copy
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    grads = []
+    for net in (plain, sn.wrap(managed, policy="superneurons")):
+        inp = x.clone().requires_grad_()
+        out = net(inp)
+        (F.nll_loss(out["main"], torch.arange(4)) + out["aux"].square().mean()).backward()
+        grads.append(inp.grad)
+    assert torch.equal(grads[0], grads[1])
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -32,7 +32,7 @@ class SuperNeuronsModule(nn.Module):
 
     def plan_for(self, x: torch.Tensor):
         """The (cached) plan for inputs like ``x``: (plan, executor or None for plain runs)."""
-        key = (tuple(x.shape), x.dtype, x.device, self.model.training)
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, self.model.training)
         if key not in self._executors:
             self._executors[key] = self._make(x)
         return self._executors[key]
