@@ -95,3 +95,21 @@ def test_explain_says_what_and_why():
     text = plans("resnet50")[Policy.SUPERNEURONS].explain()
     assert "layer1.0.bn1" in text and "replayed from segment" in text
     assert "checkpoint: CONV is expensive" in text
+
+
+def test_in_place_relu_after_a_conv_is_a_checkpoint():
+    plan = plans("alexnet")[Policy.SUPERNEURONS]
+    in_segment = {plan.graph.layers[l].name for l in plan.segment_of()}
+    assert "1" not in in_segment           # RELU1 writes into CONV1's output in place (Rule 4)
+    assert {"2", "3"} <= in_segment        # LRN1 and POOL1 are replayed
+
+
+def test_a_budget_above_the_floor_replays_less():
+    graph = plans("resnet50")[Policy.LIVENESS].graph
+    floor = plan_graph(graph, "superneurons")
+    kept = plan_graph(graph, "recompute").peak_bytes      # every checkpoint on the device
+    liveness = plan_graph(graph, "liveness").peak_bytes
+    below = plan_graph(graph, "superneurons", budget=(floor.peak_bytes + kept) // 2)
+    assert below.num_extra_computations == floor.num_extra_computations   # data must move
+    roomy = plan_graph(graph, "superneurons", budget=(kept + liveness) // 2)
+    assert 0 < roomy.num_extra_computations < floor.num_extra_computations
