@@ -149,7 +149,6 @@ def speed(name: str, batch: int) -> dict:
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     result = {}
-    plan = None
     for label, system_name, options in [
             ("plain", "plain", {}),
             ("superneurons, budget fits", "superneurons", {"policy": "superneurons",

@@ -2,13 +2,19 @@
 
     python benchmarks/run.py PART [PART...] --out DIR [--cap-gib 12]
 
-PART: depth, batch, speed, densenet, recompute, cache (memory per step: gpu_check.py).
+PART: depth, batch, speed, densenet, recompute, cache, pool, workspace (memory per step:
+gpu_check.py).
 Every part writes DIR/PART.json with the command, device and versions. The card is capped at
 --cap-gib with torch.cuda.set_per_process_memory_fraction; superneurons gets the same budget.
 """
 
 import argparse
+import gc
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -75,7 +81,7 @@ def speed_part(args) -> dict:
     for network in args.networks:
         rows = result[network] = []
         for batch in args.batches:
-            for dtype in ("fp32", "bf16"):
+            for dtype in args.dtypes:
                 for name in args.systems:
                     row = {"batch": batch, "dtype": dtype, "system": name}
                     row.update(_speed(network, batch, name, dtype, args.budget))
@@ -104,7 +110,6 @@ def _speed(network, batch, name, dtype, budget_gib) -> dict:
         return {"images_per_s": None, "error": str(error).splitlines()[0][:200]}
     finally:
         del model, x, y, wrapped
-        import gc
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -173,8 +178,56 @@ def cache_part(args) -> dict:
     return result
 
 
+def pool_part(args) -> dict:
+    """Pooled allocation (the caching allocator) against an allocation per tensor
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1), each in a child process of its own (Table 2)."""
+    result = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for cached in (True, False):
+            env = dict(os.environ)
+            if not cached:
+                env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+            command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
+                       "--tag", "_child", "--dtypes", "fp32", "--cap-gib", str(args.cap_gib),
+                       "--networks", *args.networks, "--systems", *args.systems,
+                       "--batches", *map(str, args.batches)]
+            subprocess.run(command, env=env, check=True)
+            with open(os.path.join(folder, "speed_child.json")) as record:
+                result["caching allocator" if cached else "no caching"] = \
+                    json.load(record)["results"]
+    return result
+
+
+def workspace_part(args) -> dict:
+    """superneurons' speed with cuDNN free to use the memory its plan leaves (benchmark mode
+    picks the fastest algorithm whose workspace fits) and with that headroom filled by a
+    placeholder allocation, so only algorithms with little workspace fit."""
+    result = {}
+    for network in args.networks:
+        rows = result[network] = []
+        for batch in args.batches:
+            for headroom in (True, False):
+                filler = None
+                if not headroom:
+                    model, x, _ = make(network, batch, "cuda")
+                    plan = sn.plan(model, x, policy="superneurons")
+                    del model, x
+                    spare = int(args.budget * 2**30) - plan.peak_bytes - (256 << 20)
+                    filler = torch.empty(max(spare, 0), dtype=torch.uint8, device="cuda")
+                row = {"batch": batch, "headroom": headroom,
+                       "filler_bytes": 0 if filler is None else filler.numel()}
+                # the filler is memory outside the plan: the runtime counts it against the budget
+                row.update(_speed(network, batch, "superneurons", "fp32", args.budget))
+                rows.append(row)
+                print(network, row, flush=True)
+                del filler
+                torch.cuda.empty_cache()
+    return result
+
+
 PARTS = {"depth": depth_part, "batch": batch_part, "speed": speed_part,
-         "densenet": densenet_part, "recompute": recompute_part, "cache": cache_part}
+         "densenet": densenet_part, "recompute": recompute_part, "cache": cache_part,
+         "pool": pool_part, "workspace": workspace_part}
 
 
 def main():
@@ -188,6 +241,7 @@ def main():
     parser.add_argument("--networks", nargs="+", default=list(BATCH_START))
     parser.add_argument("--batches", nargs="+", type=int, default=[64, 140, 280])
     parser.add_argument("--tag", default="", help="suffix of the record's file name")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = parser.parse_args()
     args.budget = args.budget or args.cap_gib - 0.5
     if torch.cuda.is_available():

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from torch import nn
 
 import superneurons as sn

@@ -43,7 +43,6 @@ def test_nothing_freed_is_needed_later(name, policy):
     plan = plans(name)[policy]
     graph, timeline = plan.graph, plan.timeline
     by_storage = {b.storage: b for b in plan.buffers if b.storage is not None}
-    segment_of = plan.segment_of()
 
     def alive(storage, step):
         return graph.storages[storage].nbytes == 0 or by_storage[storage].live_at(step)

@@ -1,7 +1,6 @@
 """Algorithm 1 on the paper's Figure 6, and topological order on every zoo network."""
 
 import pytest
-import torch
 from torch import nn
 
 from superneurons.capture import capture

@@ -16,7 +16,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
 from .graph import Layer, LayerGraph, Saved, Storage, Value
-from .kinds import Kind, is_random, kind_of
+from .kinds import is_random, kind_of
 
 
 class _LeafTracer(fx.Tracer):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from ..capture import LayerGraph, capture
 from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
-from .policy import Action, Policy, Strategy, find_segments, parse_policy, parse_strategy, \
+from .policy import Policy, Strategy, find_segments, parse_policy, parse_strategy, \
     storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
