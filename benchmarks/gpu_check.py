@@ -172,7 +172,7 @@ def speed(name: str, batch: int) -> dict:
 
 
 if __name__ == "__main__":
-    sizes = {"equality": 4 if QUICK else 8, "memory": 8 if QUICK else 32, "speed": 64}
+    sizes = {"equality": 4 if QUICK else 8, "memory": 8 if QUICK else 32}
     write(f"{OUT}/cuda_equality.json", {
         "what": "3 SGD steps, deterministic cuDNN, each policy at its floor budget vs plain",
         "resnet50": equality("resnet50", sizes["equality"]),

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
-from common import cap_memory, fits, largest, make, system, throughput, write  # noqa: E402
+from common import cap_memory, fits, largest, make, sgd_step, system, throughput, write  # noqa: E402
 
 SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
 # where each bisection starts: the anchors in DESIGN.md (batch, or ResNet stage-3 blocks n)
@@ -165,7 +165,6 @@ def cache_part(args) -> dict:
                 model, x, y = make(network, batch, "cuda")
                 wrapped = sn.wrap(model, **options)
                 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-                from common import sgd_step
                 try:
                     sgd_step(wrapped, optimizer, x, y)
                     row[label] = wrapped.stats.as_dict()

@@ -21,7 +21,7 @@ from .kinds import is_random, kind_of
 
 class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return len(module._modules) == 0 or isinstance(module, (nn.RNNBase,))
+        return len(module._modules) == 0
 
 
 def trace(model: nn.Module) -> fx.GraphModule:

@@ -50,6 +50,7 @@ class Plan:
     buffers: tuple = field(repr=False)
     steps: tuple = field(repr=False)
     extra_computations: dict = field(repr=False)
+    needs: SegmentNeeds = field(repr=False)     # when and how far each segment replays
 
     @property
     def route(self) -> list:
@@ -83,16 +84,7 @@ class Plan:
 
     def replay_inputs(self) -> dict:
         """Per segment, the inputs some replay reads; those no replay reaches can go early."""
-        needs = SegmentNeeds(self.graph, self.timeline, self.segments, self.actions)
-        result = {}
-        for segment in self.segments:
-            replays = needs.replays[segment.index]
-            last = max((position for _, position in replays), default=-1)
-            inside = set(segment.layers)
-            result[segment.index] = tuple(dict.fromkeys(
-                v for l in segment.layers[:last + 1] for v in self.graph.layers[l].inputs
-                if self.graph.values[v].producer not in inside))
-        return result
+        return {s.index: self.needs.replay_inputs(s) for s in self.segments}
 
     def segment_of(self) -> dict:
         return {layer: segment for segment in self.segments for layer in segment.layers}
@@ -135,7 +127,8 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
                     if policy.recomputes else [])
     segment_of = {layer: s.index for s in segments for layer in s.layers}
     actions = storage_actions(graph, policy, segment_of)
-    buffers = predict_buffers(graph, timeline, policy, actions, segments)
+    needs = SegmentNeeds(graph, timeline, segments, actions)
+    buffers = predict_buffers(graph, timeline, policy, actions, segments, needs)
     live_bytes, live_count = live_per_step(buffers, timeline.num_steps)
     n = len(order)
     steps = tuple(
@@ -143,9 +136,9 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
              graph.layers[order[k] if k < n else order[2 * n - 1 - k]].name,
              live_bytes[k] + graph.resident_bytes, live_count[k])
         for k in range(2 * n))
-    extra = recompute_counts(graph, timeline, segments, actions) if segments else {}
+    extra = recompute_counts(segments, needs) if segments else {}
     return Plan(policy, strategy, budget, graph, tuple(order), timeline, costs, tuple(segments),
-                tuple(actions), tuple(buffers), steps, extra)
+                tuple(actions), tuple(buffers), steps, extra, needs)
 
 
 def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,

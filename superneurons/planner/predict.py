@@ -35,6 +35,7 @@ class SegmentNeeds:
     """When each segment is replayed in backward, how far, and what each replay reads."""
 
     def __init__(self, graph: LayerGraph, timeline: Timeline, segments: list, actions: list):
+        self.graph = graph
         self.by_layer = {l: s for s in segments for l in s.layers}
         self.replays: dict = {}           # segment -> [(backward step, last position replayed)]
         self.needed_layers: dict = {}     # segment -> layers whose products backward reads
@@ -56,19 +57,27 @@ class SegmentNeeds:
     def first_replay(self, segment) -> int:
         return self.replays[segment.index][0][0]
 
+    def inputs_read(self, segment, last: int) -> tuple:
+        """The segment's outside values that a replay up to position ``last`` reads."""
+        inside = set(segment.layers)
+        return tuple(dict.fromkeys(
+            v for l in segment.layers[:last + 1] for v in self.graph.layers[l].inputs
+            if self.graph.values[v].producer not in inside))
+
+    def replay_inputs(self, segment) -> tuple:
+        """What the segment's deepest replay reads: its other inputs may go after forward."""
+        last = max((position for _, position in self.replays[segment.index]), default=-1)
+        return self.inputs_read(segment, last)
+
 
 def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actions: list,
-                    segments: list) -> list:
+                    segments: list, needs: SegmentNeeds) -> list:
     last_step = timeline.num_steps - 1
-    needs = SegmentNeeds(graph, timeline, segments, actions)
     extra_uses = [[] for _ in graph.storages]   # segment inputs are read again at each replay
     for segment in segments:
-        inside = set(segment.layers)
         for step, last in needs.replays[segment.index]:
-            for layer_index in segment.layers[:last + 1]:
-                for value in graph.layers[layer_index].inputs:
-                    if graph.values[value].producer not in inside:
-                        extra_uses[graph.values[value].storage].append(step)
+            for value in needs.inputs_read(segment, last):
+                extra_uses[graph.values[value].storage].append(step)
     checkpoint_steps = sorted(timeline.bwd(l.index) for l in graph.layers
                               if l.kind in CHECKPOINT_KINDS)
 
@@ -161,10 +170,9 @@ def live_per_step(buffers: list, num_steps: int) -> tuple:
     return live_bytes, live_count
 
 
-def recompute_counts(graph: LayerGraph, timeline: Timeline, segments: list, actions: list) -> dict:
+def recompute_counts(segments: list, needs: SegmentNeeds) -> dict:
     """Extra layer computations per step for each strategy (the paper's Table 1)."""
     counts = {Strategy.SPEED: 0, Strategy.MEMORY: 0, Strategy.COST_AWARE: 0}
-    needs = SegmentNeeds(graph, timeline, segments, actions)
     for segment in segments:
         positions = [segment.layers.index(l) for l in needs.needed_layers[segment.index]]
         if not positions:

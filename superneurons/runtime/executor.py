@@ -85,7 +85,7 @@ class Executor:
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),
                                host_hint_bytes=plan.offloaded_bytes)
         self.step_id = 0
-        self.layer = self.segment = self.replaying = None
+        self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}
         self.pending: list = []
         self.recomputed_layers = 0
@@ -151,6 +151,7 @@ class Executor:
     def run(self, args: tuple):
         self.step_id += 1
         self.records, self.pending = {}, []
+        self.backward_step = None      # step numbers repeat every training step
         self.param_ptrs = {t.untyped_storage().data_ptr() for t in
                            (*self.gm.parameters(), *self.gm.buffers())}
         self.autocast = capture_autocast(self.device)
@@ -234,7 +235,7 @@ class Executor:
         return handle.get()
 
     def _enter_backward_step(self, step: int) -> None:
-        if step != getattr(self, "backward_step", None):
+        if step != self.backward_step:
             self.backward_step = step
             self.pool.unlock_all()
             self.pool.make_room(step, forward=False)
@@ -260,13 +261,18 @@ class Executor:
             storage = self.graph.values[value].storage
             action = actions[storage]
             if action is Action.OFFLOAD:
-                entry = self.pool.add((self.step_id, storage), storage_bytes(tensor),
-                                      self.plan.timeline.last_forward_use(storage))
-                holder[0] = PoolRef(entry, view_of(tensor), step)
+                holder[0] = self._pool_ref(storage, tensor, step)
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
                 holder[0] = ValueRef(record, value, view_of(tensor))
         self.pending = []
+
+    def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,
+                  requires_grad: bool = False) -> PoolRef:
+        """A handle on the pool's one entry for a planned storage (made at its first saver)."""
+        entry = self.pool.add((self.step_id, storage), storage_bytes(tensor),
+                              self.plan.timeline.last_forward_use(storage))
+        return PoolRef(entry, view_of(tensor), step, requires_grad)
 
     # -- recomputation ---------------------------------------------------------------------------
     def _new_record(self, segment, env: dict) -> SegmentRecord:
@@ -278,9 +284,7 @@ class Executor:
             obj = env[node]
             storage = self.graph.values[value].storage
             if isinstance(obj, torch.Tensor) and self.plan.actions[storage] is Action.OFFLOAD:
-                entry = self.pool.add((self.step_id, storage), storage_bytes(obj),
-                                      self.plan.timeline.last_forward_use(storage))
-                obj = PoolRef(entry, view_of(obj), first_need, obj.requires_grad)
+                obj = self._pool_ref(storage, obj, first_need, obj.requires_grad)
             inputs[node] = obj
         random = any(self.graph.layers[l].random for l in segment.layers)
         rng = capture_rng(self.device) if random else None
