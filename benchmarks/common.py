@@ -161,19 +161,29 @@ def _try_step(build, system_name, options) -> bool:
         return False
 
 
-def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03) -> int:
-    """The largest n with probe(n) true; bisection stops within ``tolerance``."""
+def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
+            seconds: float | None = None) -> tuple:
+    """(n, exact): the largest n with probe(n) true; bisection stops within ``tolerance``, or
+    when ``seconds`` have passed (exact False: n fits, the largest may be more)."""
+    deadline = None if seconds is None else time.time() + seconds
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.time() > deadline
     while not probe(low):
         if low <= 1:
-            return 0
+            return 0, True
         high, low = low, max(1, low // 2)
     high = high or low * 2
     while probe(high):
         low, high = high, high * 2
+        if out_of_time():
+            return low, False
     while high - low > max(1, int(low * tolerance)):
+        if out_of_time():
+            return low, False
         middle = (low + high) // 2
         if probe(middle):
             low = middle
         else:
             high = middle
-    return low
+    return low, True

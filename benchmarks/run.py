@@ -48,9 +48,11 @@ def depth_part(args) -> dict:
     for name in args.systems:
         start = {"plain": 240, "checkpoint": 624, "save_on_cpu": 864, "superneurons": 864}[name]
         began = time.time()
-        n3 = largest(lambda n: fits(lambda: _resnet(n, 16), name, **options_for(name, args.budget)),
-                     start, tolerance=0.03)
-        result[name] = {"n3": n3, "depth": 3 * (n3 + 10) + 2, "seconds": time.time() - began}
+        n3, exact = largest(lambda n: fits(lambda: _resnet(n, 16), name,
+                                           **options_for(name, args.budget)),
+                            start, tolerance=0.03, seconds=args.seconds)
+        result[name] = {"n3": n3, "depth": 3 * (n3 + 10) + 2, "exact": exact,
+                        "seconds": time.time() - began}
         print(name, result[name], flush=True)
     return result
 
@@ -67,10 +69,12 @@ def batch_part(args) -> dict:
         result[network] = {}
         for name in args.systems:
             began = time.time()
-            batch = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
-                                           **options_for(name, args.budget)),
-                            start_for(name, BATCH_START[network]), tolerance=0.03)
-            result[network][name] = {"batch": batch, "seconds": time.time() - began}
+            batch, exact = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
+                                                  **options_for(name, args.budget)),
+                                   start_for(name, BATCH_START[network]), tolerance=0.03,
+                                   seconds=args.seconds)
+            result[network][name] = {"batch": batch, "exact": exact,
+                                     "seconds": time.time() - began}
             print(network, name, result[network][name], flush=True)
     return result
 
@@ -123,9 +127,10 @@ def densenet_part(args) -> dict:
     result = {}
     for name in args.systems:
         start = {"plain": 262, "checkpoint": 1372, "save_on_cpu": 262, "superneurons": 1372}[name]
-        n = largest(lambda n: fits(lambda: build(6 * n + 4), name, **options_for(name, args.budget)),
-                    (start - 4) // 6, tolerance=0.03)
-        result[name] = {"depth": 6 * n + 4}
+        n, exact = largest(lambda n: fits(lambda: build(6 * n + 4), name,
+                                          **options_for(name, args.budget)),
+                           (start - 4) // 6, tolerance=0.03, seconds=args.seconds)
+        result[name] = {"depth": 6 * n + 4, "exact": exact}
         print(name, result[name], flush=True)
     return result
 
@@ -239,6 +244,8 @@ def main():
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--networks", nargs="+", default=list(BATCH_START))
     parser.add_argument("--batches", nargs="+", type=int, default=[64, 140, 280])
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="stop each bisection after this long (the record says exact: false)")
     parser.add_argument("--tag", default="", help="suffix of the record's file name")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = parser.parse_args()
