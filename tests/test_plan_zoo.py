@@ -2,7 +2,7 @@
 
 import pytest
 
-from superneurons.capture import capture
+from superneurons.capture import Kind, capture
 from superneurons.models import input_shape
 from superneurons.planner import Action, Policy, Strategy, plan_graph
 from conftest import meta_model
@@ -103,12 +103,21 @@ def test_in_place_relu_after_a_conv_is_a_checkpoint():
     assert {"2", "3"} <= in_segment        # LRN1 and POOL1 are replayed
 
 
-def test_a_budget_above_the_floor_replays_less():
+def test_a_budget_above_the_floor_replays_less_or_whole_blocks():
     graph = plans("resnet50")[Policy.LIVENESS].graph
     floor = plan_graph(graph, "superneurons")
     kept = plan_graph(graph, "recompute").peak_bytes      # every checkpoint on the device
     liveness = plan_graph(graph, "liveness").peak_bytes
-    below = plan_graph(graph, "superneurons", budget=(floor.peak_bytes + kept) // 2)
-    assert below.num_extra_computations == floor.num_extra_computations   # data must move
+
+    def replays_convolutions(plan) -> bool:
+        return any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
     roomy = plan_graph(graph, "superneurons", budget=(kept + liveness) // 2)
     assert 0 < roomy.num_extra_computations < floor.num_extra_computations
+    assert not replays_convolutions(roomy)
+    # below what cheap replays need with nothing moved, whole blocks are replayed (Rule 8)
+    tight = plan_graph(graph, "superneurons", budget=(floor.peak_bytes + kept) // 2)
+    assert replays_convolutions(tight)
+    # just above the floor even whole blocks do not fit: the floor's plan, and data moves
+    floor_budget = plan_graph(graph, "superneurons", budget=int(floor.peak_bytes * 1.01))
+    assert floor_budget.num_extra_computations == floor.num_extra_computations
+    assert not replays_convolutions(floor_budget)

@@ -4,19 +4,29 @@ l_f(i): the storages layer i reads and writes in its forward, plus what it saves
 l_b(i): what its backward reads (saved activations and internal tensors), the gradient of its
         outputs it receives and the gradient of its inputs it writes.
 Model state (parameters, their gradients, buffers) is resident and counted apart.
+work(i): what replaying layer i's forward costs, in bytes of device-memory traffic: the bytes its
+        forward touches, plus its multiply-adds at FLOPS_PER_BYTE (an H100/H200 in TF32 does
+        ~100 flops in the time its memory moves one byte). A convolution costs its arithmetic, a
+        ReLU its bytes: this is what choosing between replaying cheap layers and whole blocks
+        weighs.
 """
+
+import math
 
 from dataclasses import dataclass
 
-from ..capture import LayerGraph
+from ..capture import Kind, LayerGraph
 
-__all__ = ["LayerCosts", "layer_costs"]
+__all__ = ["LayerCosts", "layer_costs", "FLOPS_PER_BYTE"]
+
+FLOPS_PER_BYTE = 100
 
 
 @dataclass(frozen=True)
 class LayerCosts:
     forward: tuple     # l_f per layer index, bytes
     backward: tuple    # l_b per layer index, bytes
+    work: tuple = ()   # replay cost per layer index, bytes of memory traffic (see above)
 
     @property
     def peak(self) -> int:
@@ -28,9 +38,19 @@ def _grad_storages(graph: LayerGraph, values) -> set:
     return {graph.values[v].storage for v in values if graph.values[v].requires_grad}
 
 
+def _flops(graph: LayerGraph, layer) -> int:
+    """Multiply-adds x 2 of a convolution or linear layer (0 for the rest)."""
+    weight = getattr(layer.module, "weight", None)
+    if layer.kind not in (Kind.CONV, Kind.FC) or weight is None or not layer.outputs:
+        return 0
+    out = graph.values[layer.outputs[0]].shape
+    per_output = math.prod(weight.shape[1:])        # in/groups x kernel, or in_features
+    return 2 * math.prod(out) * per_output
+
+
 def layer_costs(graph: LayerGraph) -> LayerCosts:
     size = [s.nbytes for s in graph.storages]
-    forward, backward = [], []
+    forward, backward, work = [], [], []
     for layer in graph.layers:
         touched = {graph.values[v].storage for v in (*layer.inputs, *layer.outputs)}
         forward.append(sum(size[s] for s in touched) + layer.internal_saved_bytes)
@@ -38,4 +58,5 @@ def layer_costs(graph: LayerGraph) -> LayerCosts:
         grads = _grad_storages(graph, layer.outputs) | _grad_storages(graph, layer.inputs)
         backward.append(sum(size[s] for s in saved) + layer.internal_saved_bytes
                         + sum(size[s] for s in grads))
-    return LayerCosts(tuple(forward), tuple(backward))
+        work.append(forward[-1] + _flops(graph, layer) // FLOPS_PER_BYTE)
+    return LayerCosts(tuple(forward), tuple(backward), tuple(work))

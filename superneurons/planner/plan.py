@@ -6,7 +6,7 @@ from ..capture import LayerGraph, capture
 from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
 from .policy import Policy, Strategy, find_segments, parse_policy, parse_strategy, \
-    storage_actions
+    route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
 from .trim import replay_only_what_the_budget_needs
@@ -158,8 +158,11 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     if budget is not None and result.peak_bytes <= budget and policy.recomputes:
         def build(p, segments):
             return _build(graph, order, timeline, costs, p, strategy, budget, segments)
+        def segments_for(keep):
+            return find_segments(graph, order, strategy, costs, keep=keep)
         candidates = find_segments(graph, order, strategy, costs, offloads=False)
-        result = replay_only_what_the_budget_needs(result, budget, build, candidates)
+        result = replay_only_what_the_budget_needs(result, budget, build, candidates,
+                                                   segments_for, route_cuts(graph, order))
     if budget is not None and result.peak_bytes > budget:
         smallest = result
         if policy is not Policy.SUPERNEURONS:

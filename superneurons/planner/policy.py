@@ -18,6 +18,12 @@ Rule 7: a value that a layer outside its segment saves is replayed at that layer
         stored value would cost more than the replay.
 Rule 6: "offload" sends CONV outputs to the host, as the paper does; "superneurons" sends every
         kept checkpoint output, since the cheap layers after them are recomputed from them.
+Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: the checkpoints are
+        then the route's cuts, the layers after which a single storage is live (a ResNet block's
+        output), the last of each run of consecutive cuts. On a GPU whose arithmetic outruns its
+        host link many times over, replaying a block costs less than moving its tensors. A
+        segment that replays a CONV or FC is speed-centric under the cost-aware strategy (a
+        memory-centric replay would run its convolutions once per backward layer).
 """
 
 import enum
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from ..capture import Kind, LayerGraph
 
 __all__ = ["Policy", "Strategy", "Action", "Segment", "CHECKPOINT_KINDS", "OFFLOAD_KINDS",
-           "parse_policy", "parse_strategy", "find_segments", "storage_actions"]
+           "parse_policy", "parse_strategy", "find_segments", "storage_actions", "route_cuts"]
 
 CHECKPOINT_KINDS = frozenset({Kind.CONV, Kind.FC})
 OFFLOAD_KINDS = frozenset({Kind.CONV})
@@ -99,7 +105,34 @@ class Segment:
     strategy: Strategy     # speed- or memory-centric, as chosen for this segment
 
 
-def _recomputable(graph: LayerGraph, order: list, segment_of: dict) -> set:
+def route_cuts(graph: LayerGraph, order: list) -> set:
+    """Rule 8: the last layer of each run of layers after which one storage alone is live."""
+    n = len(order)
+    pos = {layer: p for p, layer in enumerate(order)}
+    first, last = {}, {}
+    for value in graph.values:
+        at = -1 if value.producer is None else pos[value.producer]
+        first[value.storage] = min(first.get(value.storage, n), at)
+    for layer in graph.layers:
+        for value in layer.inputs:
+            storage = graph.values[value].storage
+            last[storage] = max(last.get(storage, -1), pos[layer.index])
+    for value in graph.output_values:
+        last[graph.values[value].storage] = n
+    delta = [0] * (n + 1)
+    for storage, end in last.items():
+        begin = max(first.get(storage, 0), 0)
+        if end > begin:                           # live across positions begin .. end - 1
+            delta[begin] += 1
+            delta[end] -= 1
+    live, is_cut = 0, []
+    for p in range(n):
+        live += delta[p]
+        is_cut.append(live == 1)
+    return {order[p] for p in range(n) if is_cut[p] and (p + 1 == n or not is_cut[p + 1])}
+
+
+def _recomputable(graph: LayerGraph, order: list, keep: set | None) -> set:
     pos = {layer: p for p, layer in enumerate(order)}
     outputs = set(graph.output_values)
     candidates = set()
@@ -108,8 +141,9 @@ def _recomputable(graph: LayerGraph, order: list, segment_of: dict) -> set:
         for storage in layer.mutates:
             last_writer[storage] = max(last_writer.get(storage, -1), pos[layer.index])
     for layer in graph.layers:
-        if layer.kind in CHECKPOINT_KINDS or outputs.intersection(layer.outputs):
-            continue                                      # Rules 1 and 5
+        checkpoint = layer.kind in CHECKPOINT_KINDS if keep is None else layer.index in keep
+        if checkpoint or outputs.intersection(layer.outputs):
+            continue                                      # Rules 1, 5 and 8
         if not layer.outputs:
             continue
         reads_overwritten = any(
@@ -133,9 +167,10 @@ def _runs(order: list, recomputable: set) -> dict:
 
 
 def find_segments(graph: LayerGraph, order: list, strategy: Strategy, costs,
-                  offloads: bool = False) -> list:
-    """Recomputation segments under Rules 1-5 and 7, each speed- or memory-centric."""
-    recomputable = _recomputable(graph, order, {})
+                  offloads: bool = False, keep: set | None = None) -> list:
+    """Recomputation segments under Rules 1-5 and 7, each speed- or memory-centric. ``keep``:
+    the layers to checkpoint instead of Rule 1's CONV and FC (Rule 8)."""
+    recomputable = _recomputable(graph, order, keep)
     while True:
         segment_of = _runs(order, recomputable)
         demoted = set()
@@ -165,7 +200,7 @@ def find_segments(graph: LayerGraph, order: list, strategy: Strategy, costs,
             v for l in layers for v in graph.layers[l].inputs
             if graph.values[v].producer not in inside))
         segments.append(Segment(index, tuple(layers), inputs,
-                                _choose(strategy, layers, costs)))
+                                _choose(strategy, graph, layers, costs)))
     return segments
 
 
@@ -200,10 +235,13 @@ def _costly_replays(graph: LayerGraph, segment_of: dict, costs) -> set:
     return demoted
 
 
-def _choose(strategy: Strategy, layers: list, costs) -> Strategy:
-    """Cost-aware: speed-centric when sum(l_f over the segment) + l_b(last) stays under l_peak."""
+def _choose(strategy: Strategy, graph: LayerGraph, layers: list, costs) -> Strategy:
+    """Cost-aware: speed-centric when sum(l_f over the segment) + l_b(last) stays under l_peak,
+    or when the segment replays a CONV or FC (Rule 8)."""
     if strategy is not Strategy.COST_AWARE:
         return strategy
+    if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in layers):
+        return Strategy.SPEED
     memcost = sum(costs.forward[l] for l in layers) + costs.backward[layers[-1]]
     return Strategy.SPEED if memcost <= costs.peak else Strategy.MEMORY
 

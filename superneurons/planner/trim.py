@@ -1,19 +1,44 @@
-"""With a budget, replay only what the budget needs.
+"""With a budget, replay only what the budget needs, and choose what to replay by its cost.
 
 A recomputing policy without a budget replays every cheap segment: that is its floor. With a
 budget above the floor, some segments can keep their tensors instead. On a modern GPU a replay
-costs compute and a move to the host costs far more (DESIGN.md), so the goal is the fewest
-replays whose plan fits the budget *with nothing moved*: segments stop replaying, least useful
-first (fewest bytes saved per byte a replay reads and writes), while the plan that keeps every
-checkpoint on the device still fits. Where even replaying everything does not fit without moving
-data, the plan stays as it is and the Tensor Cache moves only what the budget forces out.
+costs compute and a move to the host costs far more (DESIGN.md), so the goal is the cheapest
+replays whose plan fits the budget *with nothing moved*. Three families of plans are tried:
+
+- the policy's own segments, and the cheap segments that keep the most on the device (policy
+  Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
+  work, costs.work) while the plan that keeps every checkpoint on the device still fits;
+- whole blocks (policy Rule 8): every block replayed, then the least useful blocks back to
+  replaying only their cheap layers, then the least useful segments dropped, as above.
+
+The fitting plan with the least replay work wins. Where none fits without moving data, the plan
+stays as it is and the Tensor Cache moves only what the budget forces out.
 """
 
-from .policy import Policy
+from .policy import CHECKPOINT_KINDS, Policy, Strategy
 
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
 # device) should not turn "nothing moves" into a few evictions: keep 3% of the budget spare
 _SLACK = 0.97
+
+
+def replay_work(plan) -> int:
+    """Bytes-equivalent work of the layers a step replays (costs.work), per the plan's
+    strategies: speed-centric replays up to the last layer needed once, memory-centric the
+    prefix each needed layer needs."""
+    work, total = plan.costs.work, 0
+    for segment in plan.segments:
+        positions = [segment.layers.index(l) for l in plan.needs.needed_layers[segment.index]]
+        prefix = [0]
+        for layer in segment.layers:
+            prefix.append(prefix[-1] + work[layer])
+        if not positions:
+            continue
+        if segment.strategy is Strategy.SPEED:
+            total += prefix[max(positions) + 1]
+        else:
+            total += sum(prefix[p + 1] for p in positions)
+    return total
 
 
 def _usefulness(plan, segment) -> float:
@@ -22,37 +47,72 @@ def _usefulness(plan, segment) -> float:
     saved = sum(graph.storages[s].nbytes for s in
                 {graph.values[v].storage for l in segment.layers for v in graph.layers[l].outputs
                  if graph.storages[graph.values[v].storage].creator in inside})
-    work = sum(plan.costs.forward[l] for l in segment.layers)
+    work = sum(plan.costs.work[l] for l in segment.layers)
     return saved / max(1, work)
 
 
-def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list):
-    """``build(policy, segments)`` makes a plan. Tries ``plan``'s own segments and
-    ``candidates`` (the segments that keep the most on the device: policy Rule 7 off); returns the
-    plan with the fewest replays among those that fit with nothing moved, else ``plan``."""
-    fitting = [t for t in (_trim(plan, list(plan.segments), budget, build),
-                           _trim(plan, candidates, budget, build)) if t is not None]
+def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list,
+                                      segments_for=None, cuts: set | None = None):
+    """``build(policy, segments)`` makes a plan; ``candidates`` are the cheap segments that keep
+    the most on the device; ``segments_for(keep)`` finds segments checkpointing ``keep`` and
+    ``cuts`` are the route's cuts (policy Rule 8), for whole-block plans. Returns the plan with
+    the least replay work among those that fit with nothing moved, else ``plan``."""
+    tries = [_trim(plan, list(plan.segments), budget, build), _trim(plan, candidates, budget, build)]
+    if segments_for is not None and cuts:
+        tries.append(_whole_blocks(plan, budget, build, segments_for, cuts))
+    fitting = [t for t in tries if t is not None]
     if not fitting:
         return plan             # something must move: the Tensor Cache decides what, when
-    return min(fitting, key=lambda t: t.num_extra_computations)
+    return min(fitting, key=replay_work)
 
 
-def _trim(plan, segments: list, budget: int, build):
-    if not segments:
+def _fits_on_device(build, segments: list, budget: int):
+    candidate = build(Policy.RECOMPUTE, segments)
+    return candidate if candidate.peak_bytes <= _SLACK * budget else None
+
+
+def _largest(fits, count: int) -> int | None:
+    """The largest k in 0..count with fits(k), assuming fits is monotone; None if not fits(0)."""
+    if not fits(0):
         return None
-    by_use = sorted(segments, key=lambda s: _usefulness(plan, s))
-
-    def fits_on_device(num_dropped: int) -> bool:
-        return build(Policy.RECOMPUTE, by_use[num_dropped:]).peak_bytes <= _SLACK * budget
-
-    if not fits_on_device(0):
-        return None
-    low, high = 0, len(by_use)                  # fits_on_device(low) holds
+    low, high = 0, count
     while low < high:
         middle = (low + high + 1) // 2
-        if fits_on_device(middle):
+        if fits(middle):
             low = middle
         else:
             high = middle - 1
-    kept = {s.index for s in by_use[low:]}
-    return build(plan.policy, [s for s in segments if s.index in kept])
+    return low
+
+
+def _trim(plan, segments: list, budget: int, build, policy=None):
+    """``segments`` less the least useful ones, while what is left fits on the device; the plan
+    under ``policy`` (``plan``'s by default), or None if even all of them do not fit."""
+    if not segments:
+        return None
+    by_use = sorted(segments, key=lambda s: _usefulness(plan, s))
+    dropped = _largest(lambda k: _fits_on_device(build, by_use[k:], budget) is not None,
+                       len(by_use))
+    if dropped is None:
+        return None
+    kept = {s.index for s in by_use[dropped:]}
+    return build(policy or plan.policy, [s for s in segments if s.index in kept])
+
+
+def _whole_blocks(plan, budget: int, build, segments_for, cuts: set):
+    graph = plan.graph
+    blocks = sorted(segments_for(cuts), key=lambda s: _usefulness(plan, s))
+    if not blocks:
+        return None
+
+    def keep_with_cheap(count: int) -> set:
+        """Cuts, plus the CONV and FC layers of the ``count`` least useful blocks."""
+        return cuts | {l for block in blocks[:count] for l in block.layers
+                       if graph.layers[l].kind in CHECKPOINT_KINDS}
+
+    cheap = _largest(lambda k: _fits_on_device(build, segments_for(keep_with_cheap(k)), budget)
+                     is not None, len(blocks))
+    if cheap is None:
+        return None
+    mixed = build(Policy.RECOMPUTE, segments_for(keep_with_cheap(cheap)))
+    return _trim(mixed, list(mixed.segments), budget, build, plan.policy)

@@ -8,8 +8,11 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
         as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
 Rule 3: parameters and buffers are model state: saved as they are, never moved.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan seen so far
-        (allocator rounding, cuDNN workspaces), and counts what is really allocated when that
-        is more than the plan says.
+        (allocator rounding, cuDNN workspaces). The first steps read the allocator at every
+        layer, count what is really allocated when that is more than the plan says, and
+        calibrate the excess; later steps trust the calibration (a reading costs host time
+        comparable to a small layer's kernels: profile_before.json), until an out-of-memory
+        retry calls for calibrating again.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error.
 """
@@ -30,12 +33,22 @@ from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_rando
     restored_buffers
 
 
+# steps that read the allocator at every layer (Rule 4)
+CALIBRATION_STEPS = 2
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """torch.cuda.memory_allocated without flattening all the allocator's statistics in Python
+    (that flattening took ~0.3 ms a call, most of a step's host time: profile_before.json)."""
+    return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
+
+
 def foreign_bytes(graph, x: torch.Tensor) -> int:
     """Device memory the plan does not know of: optimizer state, the user's other tensors."""
     grads = sum(p.grad.numel() * p.grad.element_size() for p in graph.graph_module.parameters()
                 if p.grad is not None)
     known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
-    return max(0, torch.cuda.memory_allocated(x.device) - known)
+    return max(0, allocated_bytes(x.device) - known)
 
 
 class _RangeMax:
@@ -70,8 +83,11 @@ class Executor:
         self.foreign_bytes = 0
         # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan
         # (measured 1.02-1.42x, BENCHMARKS.md); the pool leaves room for the largest excess seen
-        # in earlier steps, 25% before it has seen one (Rule 4).
-        self.excess_ratio, self.seen_ratio = 1.25, 1.0
+        # while calibrating, and 5% more (workspaces come and go between readings); 25% before
+        # it has seen one (Rule 4).
+        self.excess_ratio, self.seen_ratio = 1.25, None
+        self.calibration_left = CALIBRATION_STEPS
+        self.calibrating = False
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
         self.num_layers = len(plan.order)
@@ -132,17 +148,19 @@ class Executor:
         until = step if until is None else min(max(until, step), last_step)
         outside = self.unmanaged_max(step, until)
         if self.device.type == "cuda":
-            ours = torch.cuda.memory_allocated(self.device) - self.pool.device_bytes
-            outside = max(int(outside * self.excess_ratio), ours - self.foreign_bytes)
+            outside = int(outside * self.excess_ratio)
+            if self.calibrating:
+                ours = allocated_bytes(self.device) - self.pool.device_bytes
+                outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
-        if self.device.type == "cuda":
-            ours = torch.cuda.memory_allocated(self.device) - self.foreign_bytes
-            ours -= self.pool.device_bytes
-            self.seen_ratio = max(self.seen_ratio, ours / max(1, self.unmanaged[step]))
+        if self.calibrating:
+            ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.device_bytes
+            ratio = ours / max(1, self.unmanaged[step])
+            self.seen_ratio = max(self.seen_ratio or 1.0, ratio)
 
     def bwd(self, layer_index: int) -> int:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
@@ -157,7 +175,10 @@ class Executor:
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda":
             self.foreign_bytes = foreign_bytes(self.graph, args[0])
-            self.excess_ratio = max(self.excess_ratio, min(self.seen_ratio, 3.0))
+            if self.seen_ratio is not None:
+                self.excess_ratio = min(3.0, 1.05 * self.seen_ratio)
+            self.calibrating = self.calibration_left > 0
+            self.calibration_left = max(0, self.calibration_left - 1)
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = operator.attrgetter(node.target)(self.gm)
@@ -172,6 +193,7 @@ class Executor:
                 try:
                     out = self._call(layer, call_args, kwargs)
                 except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
+                    self.calibration_left = CALIBRATION_STEPS               # Rule 4
                     self.pool.make_room(position, forward=True, limit=0)
                     self.pending, self.counter = [], 0
                     out = self._call(layer, call_args, kwargs)

@@ -1,9 +1,13 @@
 """Copies between device and host: on CUDA on their own streams, ordered by events.
 
-Rule 1: an offload waits for the compute that produced the tensor, and the device memory is
-        handed back with record_stream, so the allocator reuses it only after the copy is done.
-Rule 2: a prefetch allocates on the host-to-device stream and waits for the offload of the
-        same bytes; its user waits on the prefetch's event before touching the tensor.
+Rule 1: an offload waits for the compute that produced the tensor; the caller keeps the device
+        bytes until the offload's event has completed, and only then frees them (freeing them
+        early with record_stream made the allocator retry and synchronize every stream when it
+        was short of memory: 7 times a step, profile_before.json).
+Rule 2: a prefetch allocates from the compute stream's memory, where the tensor is read and freed
+        (the allocator keeps memory per stream: blocks freed on the copy stream would be stranded
+        there), waits for the compute queued before it (that memory may have just been freed by
+        it) and for the offload of the same bytes; its user waits on the prefetch's event.
 On the CPU the same calls copy synchronously, so the pool's logic runs and is tested anywhere.
 """
 
@@ -19,7 +23,8 @@ class Mover:
             self.h2d = torch.cuda.Stream(device)
 
     def to_host(self, device_bytes: torch.Tensor, host_bytes: torch.Tensor):
-        """Start copying ``device_bytes`` into ``host_bytes``; returns an event or None."""
+        """Start copying ``device_bytes`` into ``host_bytes``; returns an event or None. Keep
+        ``device_bytes`` until the event has completed (Rule 1)."""
         if not self.cuda:
             host_bytes.copy_(device_bytes)
             return None
@@ -28,25 +33,24 @@ class Mover:
             host_bytes.copy_(device_bytes, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h)
-        device_bytes.record_stream(self.d2h)
         return event
 
     def to_device(self, host_bytes: torch.Tensor, after=None):
         """Start copying ``host_bytes`` back; returns (device tensor, event or None)."""
         if not self.cuda:
             return host_bytes.clone(), None
+        device_bytes = torch.empty(host_bytes.numel(), dtype=torch.uint8, device=self.device)
+        self.h2d.wait_stream(torch.cuda.current_stream(self.device))       # Rule 2
         with torch.cuda.stream(self.h2d):
             if after is not None:
-                self.h2d.wait_event(after)                                 # Rule 2
-            device_bytes = torch.empty(host_bytes.numel(), dtype=torch.uint8, device=self.device)
+                self.h2d.wait_event(after)
             device_bytes.copy_(host_bytes, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
+        device_bytes.record_stream(self.h2d)    # freed unread (released early): wait for the copy
         return device_bytes, event
 
     def ready(self, device_bytes: torch.Tensor, event) -> None:
         """Make the compute stream wait for a prefetch before it reads ``device_bytes``."""
         if event is not None:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(event)
-            device_bytes.record_stream(stream)
+            torch.cuda.current_stream(self.device).wait_event(event)

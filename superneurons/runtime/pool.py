@@ -11,6 +11,9 @@ Rule 2: in backward, tensors come back ahead of need, in the order the route wil
         far as the budget has room; a tensor needed now and not there is a cache miss.
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
         that step needs; on CUDA, less what is really allocated outside the pool, if more.
+Rule 4: an entry whose offload is in flight still holds its device bytes (mover Rule 1): the pool
+        counts them until the copy has finished, and waits for the oldest copies when the budget
+        needs their room now.
 """
 
 import enum
@@ -61,6 +64,7 @@ class TensorPool:
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
         self._waiting = None                     # host entries by next need, rebuilt lazily
+        self.draining: list = []                 # (event, device bytes) of offloads in flight
 
     # -- forward -------------------------------------------------------------------------------
     def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:
@@ -77,18 +81,34 @@ class TensorPool:
 
     def make_room(self, step: int, forward: bool, limit: int | None = None) -> None:
         """Rule 1: offload least recently used, unlocked entries until the pool fits."""
+        self._drain(limit=None)
         limit = self.allowance(step) if limit is None else limit
         if self.device_bytes <= limit:
             return
+        in_flight = sum(tensor.numel() for _, tensor in self.draining)
         for key in list(self.lru):
+            if self.device_bytes - in_flight <= limit:
+                break
             entry = self.lru[key]
             if key in self.locked or (forward and entry.last_forward_step >= step):
                 continue
-            self._offload(entry)
-            if self.device_bytes <= limit:
-                return
+            in_flight += self._offload(entry)
+        self._drain(limit)
 
-    def _offload(self, entry: Entry) -> None:
+    def _drain(self, limit: int | None) -> None:
+        """Rule 4: free the device bytes of finished offloads; with a ``limit``, wait for the
+        oldest ones until the pool fits under it."""
+        while self.draining:
+            event, tensor = self.draining[0]
+            if not event.query():
+                if limit is None or self.device_bytes <= limit:
+                    return
+                event.synchronize()
+            self.draining.pop(0)
+            self.device_bytes -= tensor.numel()
+
+    def _offload(self, entry: Entry) -> int:
+        """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
         if entry.host is None:
             entry.host = self._host_region(entry.nbytes)
             entry.event = self.mover.to_host(entry.device, entry.host)
@@ -97,9 +117,15 @@ class TensorPool:
             entry.event = None
         del self.lru[entry.key]
         self._waiting = None
+        in_flight = 0
+        if entry.event is not None:                                      # Rule 4
+            self.draining.append((entry.event, entry.device))
+            in_flight = entry.nbytes
+        else:
+            self.device_bytes -= entry.nbytes
         entry.device = None
         entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
-        self.device_bytes -= entry.nbytes
+        return in_flight
 
     def _host_region(self, nbytes: int) -> torch.Tensor:
         if self.slab.capacity == 0:              # pinned once, at the first offload
