@@ -182,51 +182,34 @@ def cache_part(args) -> dict:
     return result
 
 
+def _speed_in_child(args, extra_env: dict, systems: list) -> dict:
+    """The speed part (fp32) in a child process with ``extra_env`` set from its start."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
+                   "--tag", "_child", "--dtypes", "fp32", "--cap-gib", str(args.cap_gib),
+                   "--budget", str(args.budget), "--networks", *args.networks,
+                   "--systems", *systems, "--batches", *map(str, args.batches)]
+        subprocess.run(command, env={**os.environ, **extra_env}, check=True)
+        with open(os.path.join(folder, "speed_child.json")) as record:
+            return json.load(record)["results"]
+
+
 def pool_part(args) -> dict:
     """Pooled allocation (the caching allocator) against an allocation per tensor
     (PYTORCH_NO_CUDA_MEMORY_CACHING=1), each in a child process of its own (Table 2)."""
-    result = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for cached in (True, False):
-            env = dict(os.environ)
-            if not cached:
-                env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-            command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
-                       "--tag", "_child", "--dtypes", "fp32", "--cap-gib", str(args.cap_gib),
-                       "--networks", *args.networks, "--systems", *args.systems,
-                       "--batches", *map(str, args.batches)]
-            subprocess.run(command, env=env, check=True)
-            with open(os.path.join(folder, "speed_child.json")) as record:
-                result["caching allocator" if cached else "no caching"] = \
-                    json.load(record)["results"]
-    return result
+    return {"caching allocator": _speed_in_child(args, {}, args.systems),
+            "no caching": _speed_in_child(args, {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+                                          args.systems)}
 
 
 def workspace_part(args) -> dict:
-    """superneurons' speed with cuDNN free to use the memory its plan leaves (benchmark mode
-    picks the fastest algorithm whose workspace fits) and with that headroom filled by a
-    placeholder allocation, so only algorithms with little workspace fit."""
-    result = {}
-    for network in args.networks:
-        rows = result[network] = []
-        for batch in args.batches:
-            for headroom in (True, False):
-                filler = None
-                if not headroom:
-                    model, x, _ = make(network, batch, "cuda")
-                    plan = sn.plan(model, x, policy="superneurons")
-                    del model, x
-                    spare = int(args.budget * 2**30) - plan.peak_bytes - (256 << 20)
-                    filler = torch.empty(max(spare, 0), dtype=torch.uint8, device="cuda")
-                row = {"batch": batch, "headroom": headroom,
-                       "filler_bytes": 0 if filler is None else filler.numel()}
-                # the filler is memory outside the plan: the runtime counts it against the budget
-                row.update(_speed(network, batch, "superneurons", "fp32", args.budget))
-                rows.append(row)
-                print(network, row, flush=True)
-                del filler
-                torch.cuda.empty_cache()
-    return result
+    """Speed with cuDNN free to take workspace from the memory the plan leaves free (benchmark
+    mode tries each algorithm and skips those whose workspace does not fit) against cuDNN
+    capped to workspace-free algorithms (CUDNN_CONV_WSCAP_DBG=0), each in a child process."""
+    systems = [s for s in args.systems if s in ("plain", "superneurons")]
+    return {"workspace from free memory": _speed_in_child(args, {}, systems),
+            "no workspace (CUDNN_CONV_WSCAP_DBG=0)":
+                _speed_in_child(args, {"CUDNN_CONV_WSCAP_DBG": "0"}, systems)}
 
 
 PARTS = {"depth": depth_part, "batch": batch_part, "speed": speed_part,
