@@ -4,7 +4,8 @@ host functions.
 
     python benchmarks/profile_step.py OUT_DIR [CONFIG ...]
 
-CONFIG is network:batch:cap_gib:system[:policy] (cap 0: none); writes OUT_DIR/profile.json.
+CONFIG is network:batch:cap_gib:system[:policy[:budget_gib]] (cap 0: none; the budget is the cap
+less 0.5 GiB by default, none without a cap); writes OUT_DIR/profile.json.
 """
 
 import cProfile
@@ -35,6 +36,7 @@ ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sy
 
 def profile_config(config: str) -> dict:
     network, batch, cap, name, *policy = config.split(":")
+    budget = float(policy[1]) if len(policy) > 1 else float(cap) - 0.5
     batch, cap = int(batch), float(cap)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(cap * 2**30 / total if cap else 1.0)
@@ -42,8 +44,8 @@ def profile_config(config: str) -> dict:
     options = {}
     if name == "superneurons":
         options = {"policy": policy[0]}
-        if cap:
-            options["budget"] = f"{cap - 0.5}GiB"
+        if budget > 0:
+            options["budget"] = f"{budget}GiB"
     model, x, y = make(network, batch, "cuda")
     wrapped = system(name, model, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
