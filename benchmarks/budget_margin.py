@@ -3,7 +3,7 @@ batch is tried at several planner slacks (trim._SLACK: the share of the budget a
 moved" plan may fill), three SGD steps each, under the 12 GiB cap with an 11.5 GiB budget;
 a failure records where it happened (forward or backward) and the allocator's state.
 
-    python benchmarks/budget_margin.py OUT_DIR
+    python benchmarks/budget_margin.py OUT_DIR [--no-benchmark]
 """
 
 import gc
@@ -22,6 +22,7 @@ from superneurons.planner import trim  # noqa: E402
 from common import cap_memory, make, write  # noqa: E402
 
 CASES = [("resnet101", 160), ("resnet101", 200), ("resnet101", 256), ("resnet152", 300)]
+BENCHMARK = "--no-benchmark" not in sys.argv      # the batch part leaves cuDNN's default
 SLACKS = [0.97, 0.9, 0.8]
 
 
@@ -58,7 +59,7 @@ def attempt(network: str, batch: int, slack: float) -> dict:
                        plan.graph.layers[l].kind.value in ("CONV", "FC") for l in s.layers)),
                    "extra_computations": plan.num_extra_computations}
     if executor is not None:
-        row["excess_ratio"], row["seen_ratio"] = executor.excess_ratio, executor.seen_ratio
+        row["excess_bytes"], row["seen_excess"] = executor.excess_bytes, executor.seen_excess
     del model, x, y, wrapped, optimizer
     gc.collect()
     torch.cuda.empty_cache()
@@ -67,7 +68,7 @@ def attempt(network: str, batch: int, slack: float) -> dict:
 
 def main():
     cap_memory(12)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = BENCHMARK
     rows = []
     for network, batch in CASES:
         for slack in SLACKS:
@@ -76,7 +77,8 @@ def main():
             print({k: v for k, v in row.items() if k not in ("where", "steps")}, flush=True)
             if row["ok"]:
                 break
-    write(os.path.join(sys.argv[1], "budget_margin.json"), {"results": rows})
+    name = "budget_margin.json" if BENCHMARK else "budget_margin_no_benchmark.json"
+    write(os.path.join(sys.argv[1], name), {"cudnn_benchmark": BENCHMARK, "results": rows})
 
 
 if __name__ == "__main__":

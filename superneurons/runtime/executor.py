@@ -7,10 +7,12 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
         layer's inputs and outputs, and the plan's action for that storage decides: KEEP (stays
         as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
 Rule 3: parameters and buffers are model state: saved as they are, never moved.
-Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan seen so far
-        (allocator rounding, cuDNN workspaces). The first steps read the allocator at every
-        layer, count what is really allocated when that is more than the plan says, and
-        calibrate the excess; later steps trust the calibration (a reading costs host time
+Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan (allocator
+        rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
+        what is really allocated when that is more than the plan says, and calibrate the
+        excess: the largest seen, in bytes, is added at every step (a ratio would scale a
+        workspace measured beside a small step up to every large one: 3.3x once,
+        budget_margin.json). Later steps trust the calibration (a reading costs host time
         comparable to a small layer's kernels: profile_before.json), until an out-of-memory
         retry calls for calibrating again.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
@@ -83,9 +85,9 @@ class Executor:
         self.foreign_bytes = 0
         # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan
         # (measured 1.02-1.42x, BENCHMARKS.md); the pool leaves room for the largest excess seen
-        # while calibrating, and 5% more (workspaces come and go between readings); 25% before
-        # it has seen one (Rule 4).
-        self.excess_ratio, self.seen_ratio = 1.25, None
+        # while calibrating, plus 2% of the budget (workspaces come and go between readings);
+        # 25% of the plan before it has seen one (Rule 4).
+        self.excess_bytes = self.seen_excess = None
         self.calibration_left = CALIBRATION_STEPS
         self.calibrating = False
         graph = plan.graph
@@ -148,7 +150,8 @@ class Executor:
         until = step if until is None else min(max(until, step), last_step)
         outside = self.unmanaged_max(step, until)
         if self.device.type == "cuda":
-            outside = int(outside * self.excess_ratio)
+            outside = (int(1.25 * outside) if self.excess_bytes is None
+                       else outside + self.excess_bytes)
             if self.calibrating:
                 ours = allocated_bytes(self.device) - self.pool.device_bytes
                 outside = max(outside, ours - self.foreign_bytes)
@@ -159,8 +162,7 @@ class Executor:
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
             ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.device_bytes
-            ratio = ours / max(1, self.unmanaged[step])
-            self.seen_ratio = max(self.seen_ratio or 1.0, ratio)
+            self.seen_excess = max(self.seen_excess or 0, ours - self.unmanaged[step])
 
     def bwd(self, layer_index: int) -> int:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
@@ -175,8 +177,8 @@ class Executor:
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda":
             self.foreign_bytes = foreign_bytes(self.graph, args[0])
-            if self.seen_ratio is not None:
-                self.excess_ratio = min(3.0, 1.05 * self.seen_ratio)
+            if self.seen_excess is not None:
+                self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
             self.calibration_left = max(0, self.calibration_left - 1)
         env = dict(zip(self.placeholders, args))
