@@ -32,7 +32,7 @@ def largest_batch(folder: str) -> None:
     for index, system in enumerate(systems):
         values = [table[n].get(system, 0) for n in table]
         axis.bar([i + index * width for i in range(len(table))], values, width, label=system)
-    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(table))], list(table))
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(table))], list(table), rotation=20)
     axis.set_ylabel("largest batch, 12 GiB cap")
     axis.legend(fontsize=8)
     _save(figure, folder, "batch.png")

@@ -121,3 +121,28 @@ def test_a_budget_above_the_floor_replays_less_or_whole_blocks():
     floor_budget = plan_graph(graph, "superneurons", budget=int(floor.peak_bytes * 1.01))
     assert floor_budget.num_extra_computations == floor.num_extra_computations
     assert not replays_convolutions(floor_budget)
+
+
+def test_route_cuts_are_block_outputs():
+    from superneurons.planner.policy import route_cuts
+    graph = plans("resnet50")[Policy.LIVENESS].graph
+    order = list(plans("resnet50")[Policy.LIVENESS].order)
+    names = {graph.layers[l].name for l in route_cuts(graph, order)}
+    blocks = {f"layer{s}.{b}.relu#3" for s, n in enumerate((3, 4, 6, 3), 1) for b in range(n)}
+    last_block = "layer4.2.relu#3"      # the head's pooling and flatten follow: cuts too
+    assert blocks - {last_block} <= names and "stem.3" in names   # and the stem's maxpool
+    assert len(names) == len(blocks) + 1 and last_block not in names
+    chain = plans("vgg16")[Policy.LIVENESS]
+    assert route_cuts(chain.graph, list(chain.order)) == {chain.order[-1]}
+
+
+def test_replay_work_weighs_convolutions_by_their_arithmetic():
+    from superneurons.planner.trim import replay_work
+    plan = plans("resnet50")[Policy.SUPERNEURONS]
+    work = plan.costs.work
+    for layer in plan.graph.layers:
+        assert work[layer.index] >= plan.costs.forward[layer.index]
+        if layer.kind is Kind.CONV and layer.name.endswith("conv2"):    # 3x3: arithmetic weighs
+            assert work[layer.index] > 2 * plan.costs.forward[layer.index]
+    assert replay_work(plans("resnet50")[Policy.LIVENESS]) == 0
+    assert replay_work(plan) > 0

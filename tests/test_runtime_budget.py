@@ -179,3 +179,53 @@ def test_whole_blocks_replayed_within_a_budget_train_exactly(model):
     plan, _ = wrapped.plan_for(x)
     assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
     assert wrapped.stats.offloaded_bytes == 0 and wrapped.stats.recomputed_layers > 0
+
+
+class _SlowCopies:
+    """A mover whose offloads finish only when the test says (CUDA events stand-in)."""
+
+    cuda = False
+
+    def __init__(self):
+        self.events = []
+
+    def to_host(self, device_bytes, host_bytes):
+        host_bytes.copy_(device_bytes)
+        event = _Event()
+        self.events.append(event)
+        return event
+
+
+class _Event:
+    def __init__(self):
+        self.done = self.waited = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+
+def test_offloads_in_flight_hold_their_bytes_until_copied():
+    """Pool Rule 4: device bytes count until the copy is done; over budget, the oldest is
+    waited for."""
+    room = {"bytes": 10_000}
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: room["bytes"])
+    pool.mover = _SlowCopies()
+    a = pool.add("a", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    pool.add("b", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    room["bytes"] = 6000
+    pool.make_room(step=1, forward=True)           # a leaves; its copy is in flight
+    first = pool.mover.events[0]
+    assert a.state is State.TO_HOST and first.waited and pool.device_bytes == 4000
+    pool.add("c", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    room["bytes"] = 10_000
+    pool.make_room(step=2, forward=True)           # fits: b stays, nothing waited for
+    assert pool.device_bytes == 8000 and len(pool.mover.events) == 1
+    room["bytes"] = 5000
+    pool.make_room(step=3, forward=True)           # b leaves and is waited for: over budget
+    assert pool.mover.events[1].waited and pool.device_bytes == 4000
+    room["bytes"] = 0
+    pool.make_room(step=4, forward=True)           # c leaves; its copy not done and room 0
+    assert pool.mover.events[2].waited and pool.device_bytes == 0
