@@ -6,6 +6,8 @@ Rule 2: nothing real is allocated: every layer runs on meta tensors, so shapes, 
         and bytes come for free, on any machine, for networks of thousands of layers.
 Rule 3: each layer is run in isolation on fresh inputs, so that what autograd saves, what aliases
         and what is written in place is attributed to that layer alone.
+Rule 4: a layer that looks like one already run (memo.py) is not run again: its pattern of
+        outputs, in-place writes and saved tensors is reused.
 """
 
 import operator
@@ -17,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import is_random, kind_of
+from .memo import Pattern, memo_key
 
 
 class _LeafTracer(fx.Tracer):
@@ -77,6 +80,7 @@ class _Analyzer:
         self.meta_state: dict = {}   # module -> {name: meta tensor} for functional calls
         self.meta_tensors: list = []  # keeps env tensors alive so their ids stay unique
         self.attr_ids: set = set()    # meta twins of tensors read with get_attr (model state)
+        self.memo: dict = {}          # memo key -> Pattern (Rule 4)
 
     def _new_value(self, tensor, producer, storage, requires_grad) -> tuple:
         index = len(self.values)
@@ -171,7 +175,37 @@ class _Analyzer:
 
         args = fx.node.map_arg(node.args, prepare)
         kwargs = fx.node.map_arg(node.kwargs, prepare)
-        versions = {value: t._version for value, t in fresh.items()}
+        order = list(fresh)                       # input values in order of first use
+        tensors = [fresh[v] for v in order]
+        key = memo_key(node, module, args, kwargs, {id(t): k for k, t in enumerate(tensors)})
+        pattern = self.memo.get(key) if key is not None else None
+        if pattern is not None:                                               # Rule 4
+            result = pattern.result(tensors)
+            mutated = list(pattern.mutated)
+        else:
+            result, packed, mutated = self._run(node, module, name, args, kwargs, tensors)
+        mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
+        outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
+        if pattern is not None:
+            saved = tuple(Saved(outputs[w]) if kind == "output" else
+                          Saved(order[w]) if kind == "input" else Saved(None, w)
+                          for kind, w in pattern.saved)
+        else:
+            saved = self._classify_saved(packed, fresh, output_ids, module)
+            if key is not None:
+                self.memo[key] = Pattern(result, tensors, mutated, [
+                    ("internal", s.nbytes) if s.value is None else
+                    ("output", outputs.index(s.value)) if s.value in outputs else
+                    ("input", order.index(s.value)) for s in saved])
+        layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
+                      outputs=outputs, saved=saved, mutates=mutates,
+                      random=is_random(node, module, kind), module=module)
+        self.layers.append(layer)
+        return layer
+
+    def _run(self, node, module, name: str, args, kwargs, tensors: list) -> tuple:
+        """Run the layer on its fresh inputs: (result, saved tensors, input positions written)."""
+        versions = [t._version for t in tensors]
         packed = []
 
         def pack(tensor):
@@ -186,15 +220,8 @@ class _Analyzer:
                              f"{error}. superneurons needs every layer to accept meta tensors; "
                              "make it a module without children or file an issue with the model.") \
                 from error
-        mutates = tuple(sorted({self.values[v].storage for v, t in fresh.items()
-                                if t._version != versions[v]}))
-        outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
-        saved = self._classify_saved(packed, fresh, output_ids, module)
-        layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
-                      outputs=outputs, saved=saved, mutates=mutates,
-                      random=is_random(node, module, kind), module=module)
-        self.layers.append(layer)
-        return layer
+        mutated = [k for k, t in enumerate(tensors) if t._version != versions[k]]
+        return result, packed, mutated
 
     def _call(self, node, module, args, kwargs):
         if node.op == "call_module":
