@@ -187,16 +187,16 @@ class _Analyzer:
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
         if pattern is not None:
-            saved = tuple(Saved(outputs[w]) if kind == "output" else
-                          Saved(order[w]) if kind == "input" else Saved(None, w)
-                          for kind, w in pattern.saved)
+            saved = tuple(Saved(outputs[at]) if source == "output" else
+                          Saved(order[at]) if source == "input" else Saved(None, at)
+                          for source, at in pattern.saved)
         else:
             saved = self._classify_saved(packed, fresh, output_ids, module)
             if key is not None:
                 self.memo[key] = Pattern(result, tensors, mutated, [
-                    ("internal", s.nbytes) if s.value is None else
-                    ("output", outputs.index(s.value)) if s.value in outputs else
-                    ("input", order.index(s.value)) for s in saved])
+                    ("internal", entry.nbytes) if entry.value is None else
+                    ("output", outputs.index(entry.value)) if entry.value in outputs else
+                    ("input", order.index(entry.value)) for entry in saved])
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
                       outputs=outputs, saved=saved, mutates=mutates,
                       random=is_random(node, module, kind), module=module)
