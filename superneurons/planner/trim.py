@@ -3,7 +3,7 @@
 A recomputing policy without a budget replays every cheap segment: that is its floor. With a
 budget above the floor, some segments can keep their tensors instead. On a modern GPU a replay
 costs compute and a move to the host costs far more (DESIGN.md), so the goal is the cheapest
-replays whose plan fits the budget *with nothing moved*. Three families of plans are tried:
+replays whose plan fits the budget *with nothing moved*. Two families of plans are tried:
 
 - the policy's own segments, and the cheap segments that keep the most on the device (policy
   Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
@@ -29,11 +29,11 @@ def replay_work(plan) -> int:
     work, total = plan.costs.work, 0
     for segment in plan.segments:
         positions = [segment.layers.index(l) for l in plan.needs.needed_layers[segment.index]]
-        prefix = [0]
-        for layer in segment.layers:
-            prefix.append(prefix[-1] + work[layer])
         if not positions:
             continue
+        prefix = [0]                      # prefix[p]: work of the segment's first p layers
+        for layer in segment.layers:
+            prefix.append(prefix[-1] + work[layer])
         if segment.strategy is Strategy.SPEED:
             total += prefix[max(positions) + 1]
         else:
@@ -66,9 +66,9 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     return min(fitting, key=replay_work)
 
 
-def _fits_on_device(build, segments: list, budget: int):
-    candidate = build(Policy.RECOMPUTE, segments)
-    return candidate if candidate.peak_bytes <= _SLACK * budget else None
+def _fits_on_device(build, segments: list, budget: int) -> bool:
+    """Whether replaying ``segments`` and keeping every checkpoint on the device fits."""
+    return build(Policy.RECOMPUTE, segments).peak_bytes <= _SLACK * budget
 
 
 def _largest(fits, count: int) -> int | None:
@@ -91,8 +91,7 @@ def _trim(plan, segments: list, budget: int, build, policy=None):
     if not segments:
         return None
     by_use = sorted(segments, key=lambda s: _usefulness(plan, s))
-    dropped = _largest(lambda k: _fits_on_device(build, by_use[k:], budget) is not None,
-                       len(by_use))
+    dropped = _largest(lambda k: _fits_on_device(build, by_use[k:], budget), len(by_use))
     if dropped is None:
         return None
     kept = {s.index for s in by_use[dropped:]}
@@ -100,6 +99,9 @@ def _trim(plan, segments: list, budget: int, build, policy=None):
 
 
 def _whole_blocks(plan, budget: int, build, segments_for, cuts: set):
+    """Every block replayed (Rule 8); then the least useful blocks back to replaying only their
+    cheap layers while the plan still fits; then trimmed as above. None if even replaying every
+    block does not fit with nothing moved."""
     graph = plan.graph
     blocks = sorted(segments_for(cuts), key=lambda s: _usefulness(plan, s))
     if not blocks:
@@ -110,8 +112,8 @@ def _whole_blocks(plan, budget: int, build, segments_for, cuts: set):
         return cuts | {l for block in blocks[:count] for l in block.layers
                        if graph.layers[l].kind in CHECKPOINT_KINDS}
 
-    cheap = _largest(lambda k: _fits_on_device(build, segments_for(keep_with_cheap(k)), budget)
-                     is not None, len(blocks))
+    cheap = _largest(lambda k: _fits_on_device(build, segments_for(keep_with_cheap(k)), budget),
+                     len(blocks))
     if cheap is None:
         return None
     mixed = build(Policy.RECOMPUTE, segments_for(keep_with_cheap(cheap)))
