@@ -1,4 +1,5 @@
-"""Plots from the JSON records only (run after run.py): largest batch, speed, bytes moved.
+"""Plots from the JSON records only (run after run.py): largest batch, speed, bytes moved,
+recomputations (Table 1), workspace headroom, pooled allocation (Table 2), deepest networks.
 
     python benchmarks/plots.py [RESULTS_DIR]
 """
@@ -15,7 +16,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _records(folder: str, part: str) -> list:
-    return [json.load(open(path)) for path in sorted(glob.glob(os.path.join(folder, f"{part}*.json")))]
+    """The part's records, oldest first (a later record's numbers replace an earlier one's)."""
+    records = []
+    for path in glob.glob(os.path.join(folder, f"{part}*.json")):
+        with open(path) as file:
+            records.append(json.load(file))
+    return sorted(records, key=lambda record: record.get("date", ""))
 
 
 def largest_batch(folder: str) -> None:
@@ -72,6 +78,60 @@ def bytes_moved(folder: str) -> None:
     _save(figure, folder, "cache.png")
 
 
+def recomputations(folder: str) -> None:
+    records = _records(folder, "recompute")
+    if not records:
+        return
+    table = records[-1]["results"]
+    strategies = ["speed-centric", "memory-centric", "cost-aware"]
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(strategies)
+    for index, strategy in enumerate(strategies):
+        axis.bar([i + index * width for i in range(len(table))],
+                 [row[strategy]["extra_layer_computations"] for row in table.values()], width,
+                 label=strategy)
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(table))], list(table), rotation=20)
+    axis.set_ylabel("extra layer computations / step")
+    axis.legend(fontsize=8)
+    _save(figure, folder, "recompute.png")
+
+
+def _speed_by_condition(folder: str, part: str, name: str) -> None:
+    """Bars of img/s per (network, batch, system) for each condition of a child-process part."""
+    records = _records(folder, part)
+    if not records:
+        return
+    conditions = records[-1]["results"]
+    labels, bars = None, {}
+    for condition, networks in conditions.items():
+        rows = [(f"{n} {r['batch']} {r['system']}", r.get("images_per_s") or 0)
+                for n, network_rows in networks.items() for r in network_rows]
+        labels = [label for label, _ in rows]
+        bars[condition] = [value for _, value in rows]
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(bars)
+    for index, (condition, values) in enumerate(bars.items()):
+        axis.bar([i + index * width for i in range(len(values))], values, width, label=condition)
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=20,
+                    fontsize=7)
+    axis.set_ylabel("images / s (0: out of memory)")
+    axis.legend(fontsize=7)
+    _save(figure, folder, name)
+
+
+def deepest(folder: str) -> None:
+    for part, key, label in (("depth", "depth", "deepest ResNet, batch 16"),
+                             ("densenet", "depth", "deepest DenseNet-BC, batch 64")):
+        records = _records(folder, part)
+        if not records:
+            continue
+        table = records[-1]["results"]
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        axis.bar(list(table), [row[key] for row in table.values()])
+        axis.set_ylabel(f"{label} (layers)")
+        _save(figure, folder, f"{part}.png")
+
+
 def _save(figure, folder: str, name: str) -> None:
     figure.tight_layout()
     figure.savefig(os.path.join(folder, name), dpi=110)
@@ -85,3 +145,7 @@ if __name__ == "__main__":
     largest_batch(results)
     speed(results)
     bytes_moved(results)
+    recomputations(results)
+    _speed_by_condition(results, "workspace", "workspace.png")
+    _speed_by_condition(results, "pool", "pool.png")
+    deepest(results)
