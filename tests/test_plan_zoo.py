@@ -117,6 +117,7 @@ def test_a_budget_above_the_floor_replays_less_or_whole_blocks():
     # below what cheap replays need with nothing moved, whole blocks are replayed (Rule 8)
     tight = plan_graph(graph, "superneurons", budget=(floor.peak_bytes + kept) // 2)
     assert replays_convolutions(tight)
+    assert "CONV in a block replayed whole" in tight.explain()
     # just above the floor even whole blocks do not fit: the floor's plan, and data moves
     floor_budget = plan_graph(graph, "superneurons", budget=int(floor.peak_bytes * 1.01))
     assert floor_budget.num_extra_computations == floor.num_extra_computations

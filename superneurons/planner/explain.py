@@ -6,13 +6,16 @@ from .policy import CHECKPOINT_KINDS, Action
 
 def _reason(plan, layer, segment) -> str:
     if segment is not None:
-        return (f"cheap {layer.kind}: dropped after forward, replayed from segment "
-                f"{segment.index}'s inputs ({segment.strategy})")
+        whole = any(plan.graph.layers[l].kind in CHECKPOINT_KINDS for l in segment.layers)
+        what = f"{layer.kind} in a block replayed whole" if whole else f"cheap {layer.kind}"
+        return (f"{what}: dropped after forward, replayed from segment {segment.index}'s "
+                f"inputs ({segment.strategy})")
     if not plan.policy.recomputes:
         return "kept: this policy recomputes nothing"
     if layer.kind in CHECKPOINT_KINDS:
         return f"checkpoint: {layer.kind} is expensive to recompute"
-    return "checkpoint: its output feeds another segment, is a model output, or is written in place"
+    return ("checkpoint: its output ends a block, feeds another segment, is a model output, or "
+            "is written in place")
 
 
 def explain(plan) -> str:
