@@ -7,6 +7,7 @@ Systems, all on the same GPU and in the same process:
 - superneurons: superneurons.wrap(model, policy, budget).
 """
 
+import contextlib
 import datetime
 import gc
 import json
@@ -119,11 +120,14 @@ def sgd_step(model, optimizer, x, y, autocast_dtype=None) -> float:
     return loss
 
 
-def throughput(model, x, y, *, steps=8, warmup=3, autocast_dtype=None) -> float:
-    """Images per second over ``steps`` full SGD steps after ``warmup``."""
+def throughput(model, x, y, *, steps=8, warmup=3, autocast_dtype=None,
+               warmup_context=contextlib.nullcontext) -> float:
+    """Images per second over ``steps`` full SGD steps after ``warmup`` (run inside
+    ``warmup_context()``: where cuDNN's benchmark mode chooses its algorithms)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    for _ in range(warmup):
-        sgd_step(model, optimizer, x, y, autocast_dtype)
+    with warmup_context():
+        for _ in range(warmup):
+            sgd_step(model, optimizer, x, y, autocast_dtype)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):

@@ -9,6 +9,7 @@ Every part writes DIR/PART.json with the command, device and versions. The card 
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -24,8 +25,10 @@ import torch  # noqa: E402
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
 from common import cap_memory, fits, largest, make, sgd_step, system, throughput, write  # noqa: E402
+from no_workspace import DenyWorkspace  # noqa: E402
 
 SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
+NO_WORKSPACE = "SUPERNEURONS_BENCH_NO_WORKSPACE"   # set in the workspace part's child process
 # where each bisection starts: the anchors in DESIGN.md (batch, or ResNet stage-3 blocks n)
 BATCH_START = {"alexnet": (2560, 2880), "vgg16": (148, 156), "inception_v4": (70, 200),
                "resnet50": (140, 344), "resnet101": (96, 256), "resnet152": (66, 188),
@@ -88,14 +91,18 @@ def speed_part(args) -> dict:
             for dtype in args.dtypes:
                 for name in args.systems:
                     row = {"batch": batch, "dtype": dtype, "system": name}
-                    row.update(_speed(network, batch, name, dtype, args.budget))
+                    row.update(_speed(network, batch, name, dtype, args.budget,
+                                      args.cap_gib))
                     rows.append(row)
                     print(network, row, flush=True)
     return result
 
 
-def _speed(network, batch, name, dtype, budget_gib) -> dict:
+def _speed(network, batch, name, dtype, budget_gib, cap_gib) -> dict:
     torch.backends.cudnn.benchmark = True
+    deny = None
+    if os.environ.get(NO_WORKSPACE) == "1":        # the workspace part's second condition
+        deny = DenyWorkspace(int(cap_gib * 2**30))
     model = x = y = wrapped = None
     try:
         model, x, y = make(network, batch, "cuda")
@@ -105,8 +112,13 @@ def _speed(network, batch, name, dtype, budget_gib) -> dict:
         wrapped = system(name, model, **options_for(name, budget_gib))
         torch.cuda.reset_peak_memory_stats()
         speed = throughput(wrapped, x, y, steps=5, warmup=2,
+                           warmup_context=(lambda: deny) if deny else contextlib.nullcontext,
                            autocast_dtype=torch.bfloat16 if dtype == "bf16" else None)
         out = {"images_per_s": speed, "peak_bytes": torch.cuda.max_memory_allocated()}
+        if deny is not None:   # convolutions seen (forward and backward?) and memory taken
+            out["warmup_convolutions_denied"] = len(deny.filled_bytes)
+            out["warmup_filled_bytes_median"] = sorted(deny.filled_bytes or [0])[
+                len(deny.filled_bytes) // 2]
         if name == "superneurons":
             out["stats"] = wrapped.stats.as_dict()
         return out
@@ -205,12 +217,11 @@ def pool_part(args) -> dict:
 def workspace_part(args) -> dict:
     """Speed with cuDNN free to take workspace from the memory the plan leaves free (benchmark
     mode tries each algorithm and skips those whose workspace does not fit) against cuDNN
-    capped to 1 MiB of workspace (CUDNN_CONV_WSCAP_DBG=1, in MiB; 0 changed nothing,
-    workspace_wscap0.json), each in a child process."""
+    choosing its algorithms with no memory free (no_workspace.py), each in a child process."""
     systems = [s for s in args.systems if s in ("plain", "superneurons")]
     return {"workspace from free memory": _speed_in_child(args, {}, systems),
-            "workspace capped at 1 MiB (CUDNN_CONV_WSCAP_DBG=1)":
-                _speed_in_child(args, {"CUDNN_CONV_WSCAP_DBG": "1"}, systems)}
+            "algorithms chosen with no memory free": _speed_in_child(args, {NO_WORKSPACE: "1"},
+                                                                     systems)}
 
 
 PARTS = {"depth": depth_part, "batch": batch_part, "speed": speed_part,
