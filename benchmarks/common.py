@@ -166,9 +166,14 @@ def _try_step(build, system_name, options) -> bool:
 
 
 def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
-            seconds: float | None = None) -> tuple:
+            seconds: float | None = None, look_above=(1.25, 1.5)) -> tuple:
     """(n, exact): the largest n with probe(n) true; bisection stops within ``tolerance``, or
-    when ``seconds`` have passed (exact False: n fits, the largest may be more)."""
+    when ``seconds`` have passed (exact False: n fits, the largest may be more).
+
+    Fitting need not be monotone in n under superneurons (a larger batch may get a different
+    plan that fits where a smaller one's did not: BENCHMARKS.md, Inception-v4), so once the
+    bisection ends, ``look_above`` multiples of the result are probed, and bisection goes on
+    above any that fits."""
     deadline = None if seconds is None else time.time() + seconds
 
     def out_of_time() -> bool:
@@ -178,16 +183,21 @@ def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
             return 0, True
         high, low = low, max(1, low // 2)
     high = high or low * 2
-    while probe(high):
-        low, high = high, high * 2
-        if out_of_time():
-            return low, False
-    while high - low > max(1, int(low * tolerance)):
-        if out_of_time():
-            return low, False
-        middle = (low + high) // 2
-        if probe(middle):
-            low = middle
-        else:
-            high = middle
-    return low, True
+    while True:
+        while probe(high):
+            low, high = high, high * 2
+            if out_of_time():
+                return low, False
+        while high - low > max(1, int(low * tolerance)):
+            if out_of_time():
+                return low, False
+            middle = (low + high) // 2
+            if probe(middle):
+                low = middle
+            else:
+                high = middle
+        above = next((n for n in (int(low * f) for f in look_above)
+                      if n > high and not out_of_time() and probe(n)), None)
+        if above is None:
+            return low, not out_of_time()
+        low, high = above, above * 2
