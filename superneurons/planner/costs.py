@@ -12,7 +12,6 @@ work(i): what replaying layer i's forward costs, in bytes of device-memory traff
 """
 
 import math
-
 from dataclasses import dataclass
 
 from ..capture import Kind, LayerGraph
