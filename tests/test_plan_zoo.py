@@ -147,3 +147,13 @@ def test_replay_work_weighs_convolutions_by_their_arithmetic():
             assert work[layer.index] > 2 * plan.costs.forward[layer.index]
     assert replay_work(plans("resnet50")[Policy.LIVENESS]) == 0
     assert replay_work(plan) > 0
+
+
+def test_bytes_to_move_counts_each_rise_above_the_budget():
+    from superneurons.planner.trim import bytes_to_move
+    keep = plans("resnet50")[Policy.RECOMPUTE]
+    assert bytes_to_move(keep, 2 * keep.peak_bytes) == 0
+    tight = keep.peak_bytes // 2
+    moved = bytes_to_move(keep, tight)
+    assert moved >= keep.peak_bytes - 0.97 * tight          # at least the worst step's excess
+    assert moved <= sum(s.live_bytes for s in keep.steps)

@@ -229,3 +229,22 @@ def test_offloads_in_flight_hold_their_bytes_until_copied():
     room["bytes"] = 0
     pool.make_room(step=4, forward=True)           # c leaves; its copy not done and room 0
     assert pool.mover.events[2].waited and pool.device_bytes == 0
+
+
+def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
+    """Below what any plan needs with nothing moved, replaying every block still keeps the most
+    on the device (planner trim.py): its block outputs go to the host and back, exactly."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), *[_DropoutBlock(8) for _ in range(10)],
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10),
+            torch.nn.LogSoftmax(1))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    low = sn.plan(net(), x, policy="superneurons").peak_bytes
+    high = sn.plan(net(), x, policy="recompute").peak_bytes
+    wrapped = assert_same_training(net(), x, y, steps=2, policy="superneurons",
+                                   budget=low + (high - low) // 4)
+    plan, _ = wrapped.plan_for(x)
+    assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
+    assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes

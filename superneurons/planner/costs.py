@@ -9,6 +9,8 @@ work(i): what replaying layer i's forward costs, in bytes of device-memory traff
         ~100 flops in the time its memory moves one byte). A convolution costs its arithmetic, a
         ReLU its bytes: this is what choosing between replaying cheap layers and whole blocks
         weighs.
+LINK_COST: a byte sent to the host and back costs as much time as this many bytes of
+        device-memory traffic (an H200: ~3 TB/s on the device, 55 GB/s each way to the host).
 """
 
 import math
@@ -16,9 +18,10 @@ from dataclasses import dataclass
 
 from ..capture import Kind, LayerGraph
 
-__all__ = ["LayerCosts", "layer_costs", "FLOPS_PER_BYTE"]
+__all__ = ["LayerCosts", "layer_costs", "FLOPS_PER_BYTE", "LINK_COST"]
 
 FLOPS_PER_BYTE = 100
+LINK_COST = 100
 
 
 @dataclass(frozen=True)
