@@ -136,10 +136,10 @@ def throughput(model, x, y, *, steps=8, warmup=3, autocast_dtype=None,
     return x.shape[0] * steps / (time.perf_counter() - start)
 
 
-def cap_memory(gib: float) -> None:
-    """Emulate a smaller card: the caching allocator refuses past ``gib``."""
+def cap_memory(gib: float | None) -> None:
+    """Emulate a smaller card: the caching allocator refuses past ``gib`` (None: no cap)."""
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else gib * 2**30 / total)
 
 
 def fits(build, system_name: str, **options) -> bool:

@@ -1,5 +1,6 @@
 """Plots from the JSON records only (run after run.py): largest batch, speed, bytes moved,
-recomputations (Table 1), workspace headroom, pooled allocation (Table 2), deepest networks.
+recomputations (Table 1), workspace headroom, pooled allocation (Table 2), deepest networks,
+DenseNet memory against depth.
 
     python benchmarks/plots.py [RESULTS_DIR]
 """
@@ -122,14 +123,36 @@ def _speed_by_condition(folder: str, part: str, name: str) -> None:
 def deepest(folder: str) -> None:
     for part, key, label in (("depth", "depth", "deepest ResNet, batch 16"),
                              ("densenet", "depth", "deepest DenseNet-BC, batch 64")):
-        records = _records(folder, part)
+        records = [r for r in _records(folder, part) if r["results"].get("deepest", r["results"])]
         if not records:
             continue
         table = records[-1]["results"]
+        table = table.get("deepest", table)
         figure, axis = plt.subplots(figsize=(5, 3.5))
         axis.bar(list(table), [row[key] for row in table.values()])
         axis.set_ylabel(f"{label} (layers)")
         _save(figure, folder, f"{part}.png")
+
+
+def densenet_memory(folder: str) -> None:
+    records = [r for r in _records(folder, "densenet") if "memory_by_depth" in r["results"]]
+    if not records:
+        return
+    rows = records[-1]["results"]["memory_by_depth"]
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    depths = [row["depth"] for row in rows]
+    for policy in ("liveness", "superneurons"):
+        axis.plot(depths, [row["predicted_peak_bytes"][policy] / 2**30 for row in rows],
+                  ls="--", marker=".", label=f"{policy} predicted")
+    for name in rows[0].get("measured_peak_bytes", {}):
+        points = [(row["depth"], row["measured_peak_bytes"][name] / 2**30) for row in rows
+                  if row["measured_peak_bytes"].get(name)]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=f"{name} measured")
+    axis.set_xlabel("DenseNet-BC depth (k=12, 32 px, batch 64)")
+    axis.set_ylabel("GiB")
+    axis.legend(fontsize=7)
+    _save(figure, folder, "densenet_memory.png")
 
 
 def _save(figure, folder: str, name: str) -> None:
@@ -149,3 +172,4 @@ if __name__ == "__main__":
     _speed_by_condition(results, "workspace", "workspace.png")
     _speed_by_condition(results, "pool", "pool.png")
     deepest(results)
+    densenet_memory(results)

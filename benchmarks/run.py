@@ -130,21 +130,61 @@ def _speed(network, batch, name, dtype, budget_gib, cap_gib) -> dict:
         torch.cuda.empty_cache()
 
 
+DENSENET_DEPTHS = (40, 100, 190, 250, 400, 700, 1000)     # DenseNet-BC: depth = 6n + 4
+
+
 def densenet_part(args) -> dict:
-    """Deepest DenseNet-BC (k=12, 32 px, batch 64) per system, and the plan's memory by depth."""
-    def build(depth):
-        model = models.densenet(depth, 12, cifar=True).cuda()
-        x = torch.randn(64, 3, 32, 32, device="cuda")
-        return model, x, torch.randint(0, 10, (64,), device="cuda")
-    result = {}
-    for name in args.systems:
+    """DenseNet-BC (k=12, 32 px, batch 64): memory against depth, each system's measured peak for
+    one SGD step with no cap beside the plan's prediction (liveness for plain, the superneurons
+    floor); then the deepest that fits the cap per system. Without CUDA: predictions only."""
+    def build(depth, device="cuda"):
+        model = models.densenet(depth, 12, cifar=True).to(device)
+        x = torch.randn(64, 3, 32, 32, device=device)
+        return model, x, torch.randint(0, 10, (64,), device=device)
+    cuda = torch.cuda.is_available()
+    rows = []
+    for depth in DENSENET_DEPTHS:
+        with torch.device("meta"):
+            model = models.densenet(depth, 12, cifar=True)
+        row = {"depth": depth, "predicted_peak_bytes": {
+            policy: sn.plan(model, (64, 3, 32, 32), policy=policy).peak_bytes
+            for policy in ("liveness", "superneurons")}}
+        if cuda:
+            cap_memory(None)
+            row["measured_peak_bytes"] = {name: _peak_of_one_step(lambda: build(depth), name)
+                                          for name in args.systems}
+            cap_memory(args.cap_gib)
+        rows.append(row)
+        print("densenet", row, flush=True)
+    result = {"memory_by_depth": rows, "deepest": {}}
+    for name in args.systems if cuda else ():
         start = {"plain": 262, "checkpoint": 1372, "save_on_cpu": 262, "superneurons": 1372}[name]
         n, exact = largest(lambda n: fits(lambda: build(6 * n + 4), name,
                                           **options_for(name, args.budget)),
                            (start - 4) // 6, tolerance=0.03, seconds=args.seconds)
-        result[name] = {"depth": 6 * n + 4, "exact": exact}
-        print(name, result[name], flush=True)
+        result["deepest"][name] = {"depth": 6 * n + 4, "exact": exact}
+        print(name, result["deepest"][name], flush=True)
     return result
+
+
+def _peak_of_one_step(build, name: str):
+    """Device peak of one SGD step (superneurons at its floor: no budget), or None if it fails."""
+    model = x = y = wrapped = None
+    try:
+        model, x, y = build()
+        wrapped = system(name, model, **({"policy": "superneurons"} if name == "superneurons"
+                                         else {}))
+        torch.cuda.reset_peak_memory_stats()
+        sgd_step(wrapped, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), x, y)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        print(name, "failed:", str(error).splitlines()[0][:120], flush=True)
+        return None
+    finally:
+        del model, x, y, wrapped
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def recompute_part(args) -> dict:
