@@ -248,3 +248,32 @@ def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
     plan, _ = wrapped.plan_for(x)
     assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
     assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
+
+
+def test_a_replay_retried_after_running_out_of_memory_trains_exactly(monkeypatch):
+    """Rule 5 in backward: a replay that runs out of memory is retried once, exactly."""
+    from superneurons.runtime.executor import Executor
+    failures = {"left": 1}
+    real_replay = Executor.replay
+
+    def flaky(self, record, last, wanted):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise torch.OutOfMemoryError("simulated")
+        return real_replay(self, record, last, wanted)
+    monkeypatch.setattr(Executor, "replay", flaky)
+    wrapped = assert_same_training(small_resnet(), X, Y, steps=2, policy="superneurons")
+    assert failures["left"] == 0 and wrapped.stats.recomputed_layers > 0
+
+
+def test_running_out_of_memory_twice_in_backward_is_a_clear_error(monkeypatch):
+    from superneurons.runtime.executor import Executor
+
+    def always(self, record, last, wanted):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(Executor, "replay", always)
+    model = small_resnet()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="backward of a superneurons step.*zero them"):
+        F.nll_loss(sn.wrap(model, policy="superneurons")(X), Y).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

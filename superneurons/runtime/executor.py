@@ -16,7 +16,9 @@ Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan
         comparable to a small layer's kernels: profile_before.json), until an out-of-memory
         retry calls for calibrating again.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
-        the device has left; a second failure is the caller's clear error.
+        the device has left; a second failure is the caller's clear error. In backward the same
+        holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
+        are beyond reach.
 """
 
 import operator
@@ -29,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
 from ..planner.predict import live_per_step
+from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
 from .pool import TensorPool
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
@@ -256,7 +259,21 @@ class Executor:
             return handle
         if isinstance(handle, PoolRef):
             self._enter_backward_step(handle.step)
-        return handle.get()
+        try:
+            return handle.get()
+        except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
+            self.calibration_left = CALIBRATION_STEPS                       # Rule 4
+            self.pool.make_room(self.backward_step or 0, forward=False, limit=0)
+        try:
+            return handle.get()
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError(
+                f"out of device memory in the backward of a superneurons step (policy "
+                f"{self.plan.policy}, budget {format_bytes(self.budget_bytes)}) while bringing a "
+                "saved tensor back, after moving out all the pool could: something outside the "
+                "plan holds memory. The parameters are unchanged (the optimizer has not "
+                "stepped) but this step's gradients are partial: zero them, then lower the "
+                "budget or the batch") from error
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:
