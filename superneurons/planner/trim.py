@@ -24,6 +24,11 @@ from .policy import CHECKPOINT_KINDS, Policy, Strategy
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
 # device) should not turn "nothing moves" into a few evictions: keep 3% of the budget spare
 _SLACK = 0.97
+# when data must move, a plan replaying every block is taken only if its floor fills at most this
+# share of the budget: its replays hold whole blocks the pool cannot move, and real use has
+# exceeded a floor's prediction by up to 1.42x on the GPU (BENCHMARKS.md); near its largest batch
+# a network keeps the policy's own, smaller floor
+_BLOCKS_FLOOR_SHARE = 0.8
 
 
 def replay_work(plan) -> int:
@@ -70,7 +75,7 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     options = [plan]            # something must move: the Tensor Cache decides what, when
     if segments_for is not None and cuts:
         blocks = build(plan.policy, segments_for(cuts))
-        if blocks.peak_bytes <= budget:
+        if blocks.peak_bytes <= _BLOCKS_FLOOR_SHARE * budget:
             options.append(blocks)
     return min(options, key=lambda option: replay_work(option) + LINK_COST * bytes_to_move(
         build(Policy.RECOMPUTE, list(option.segments)), budget))
