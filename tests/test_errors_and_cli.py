@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from torch import nn
 
 import superneurons as sn
@@ -61,6 +62,26 @@ def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
     assert "superneurons" in capsys.readouterr().out
     assert main(["plan", "resnet", "--depth", "51", "--batch", "2"]) == 2
+
+
+def test_cli_plan_within_a_budget_says_what_replays_and_moves(capsys):
+    assert main(["plan", "resnet50", "--batch", "280", "--budget", "11.5GiB"]) == 0
+    assert "7 whole blocks), nothing moved" in capsys.readouterr().out
+    assert main(["plan", "resnet50", "--batch", "500", "--budget", "11.5GiB"]) == 0
+    assert "the cache moves about" in capsys.readouterr().out
+    assert main(["plan", "resnet50", "--batch", "2000", "--budget", "11.5GiB"]) == 2
+    assert "Raise the budget to at least" in capsys.readouterr().err
+
+
+def test_auto_within_a_budget_replays_only_what_it_needs():
+    with torch.device("meta"):
+        model = sn.models.build("resnet50")
+    auto = sn.plan(model, (280, 3, 224, 224), policy="auto", budget="11.5GiB")
+    chosen = sn.plan(model, (280, 3, 224, 224), policy=str(auto.policy), budget="11.5GiB")
+    assert auto.num_extra_computations == chosen.num_extra_computations
+    assert auto.bytes_to_move() == 0 and auto.bytes_to_move("4GiB") > 0
+    with pytest.raises(ValueError, match="needs a budget"):
+        sn.plan(model, (2, 3, 64, 64)).bytes_to_move()
 
 
 def test_cli_train_summarizes_the_step(capsys):

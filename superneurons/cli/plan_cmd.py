@@ -5,6 +5,7 @@ import torch
 from .. import models
 from ..capture import capture
 from ..planner import Policy, plan_graph
+from ..planner.policy import CHECKPOINT_KINDS
 from ..units import format_bytes
 from .output import plot_steps, print_table, write_json
 
@@ -17,7 +18,10 @@ def add_arguments(parser) -> None:
                         help="recomputation: speed-centric, memory-centric or cost-aware")
     parser.add_argument("--json", help="write every policy's per-step memory here")
     parser.add_argument("--plot", help="write a PNG of memory per step for every policy here")
-    parser.add_argument("--explain", action="store_true", help="print the superneurons plan")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the superneurons plan (with --budget: the plan auto picks)")
+    parser.add_argument("--budget", help="also plan within this budget (e.g. 11.5GiB): the "
+                                         "policy auto picks, its replays and the bytes it moves")
 
 
 def add_model_arguments(parser) -> None:
@@ -48,8 +52,19 @@ def run(args) -> None:
                 f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
                 f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
                 ["policy", "predicted peak", "of baseline", "extra layer computations"], rows)
+    chosen = None
+    if args.budget:
+        chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy)
+        whole = sum(1 for s in chosen.segments
+                    if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in s.layers))
+        moved = chosen.bytes_to_move() if chosen.policy.recomputes or chosen.policy.offloads \
+            else 0
+        print(f"within {format_bytes(chosen.budget_bytes)}: policy {chosen.policy}, "
+              f"{chosen.num_extra_computations} layers replayed ({whole} whole blocks), "
+              + (f"the cache moves about {format_bytes(moved)} a step to the host and back"
+                 if moved else "nothing moved"))
     if args.explain:
-        print(any_plan.explain())
+        print((chosen or any_plan).explain())
     if args.json:
         write_json(args.json, {
             "model": args.model, "input_shape": list(shape), "strategy": args.strategy,

@@ -82,6 +82,18 @@ class Plan:
     def offloaded_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers if b.managed)
 
+    def bytes_to_move(self, budget=None) -> int:
+        """What the Tensor Cache must send to the host (and back) each step to run this plan
+        within ``budget`` (the plan's own by default): 0 when it fits with every checkpoint on
+        the device, else every rise of its live bytes above the budget."""
+        from .trim import bytes_to_move
+        budget = self.budget_bytes if budget is None else parse_bytes(budget)
+        if budget is None:
+            raise ValueError("bytes_to_move needs a budget: this plan was made without one")
+        keep = _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
+                      self.strategy, budget, list(self.segments))
+        return bytes_to_move(keep, budget)
+
     def replay_inputs(self) -> dict:
         """Per segment, the inputs some replay reads; those no replay reaches can go early."""
         return {s.index: self.needs.replay_inputs(s) for s in self.segments}
@@ -153,7 +165,9 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
         fitting = [c for c in candidates if budget is None or c.peak_bytes <= budget]
         if not fitting:
             _raise_over_budget(candidates[-1], budget)
-        return fitting[0]
+        if budget is None:
+            return fitting[0]
+        policy = fitting[0].policy       # and within the budget, what that policy replays
     result = _build(graph, order, timeline, costs, policy, strategy, budget)
     if budget is not None and result.peak_bytes <= budget and policy.recomputes:
         def build(p, segments):
