@@ -9,7 +9,7 @@ from .policy import Policy, Strategy, find_segments, parse_policy, parse_strateg
     route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
-from .trim import replay_only_what_the_budget_needs
+from .trim import bytes_to_move, replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
 __all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
@@ -86,7 +86,6 @@ class Plan:
         """What the Tensor Cache must send to the host (and back) each step to run this plan
         within ``budget`` (the plan's own by default): 0 when it fits with every checkpoint on
         the device, else every rise of its live bytes above the budget."""
-        from .trim import bytes_to_move
         budget = self.budget_bytes if budget is None else parse_bytes(budget)
         if budget is None:
             raise ValueError("bytes_to_move needs a budget: this plan was made without one")
