@@ -26,9 +26,9 @@ from .policy import CHECKPOINT_KINDS, Policy, Strategy
 _SLACK = 0.97
 # when data must move, a plan replaying every block is taken only if its floor fills at most this
 # share of the budget: its replays hold whole blocks the pool cannot move, and real use has
-# exceeded a floor's prediction by up to 1.42x on the GPU (BENCHMARKS.md); near its largest batch
-# a network keeps the policy's own, smaller floor
-_BLOCKS_FLOOR_SHARE = 0.8
+# exceeded a floor's prediction by up to 1.42x on the GPU (BENCHMARKS.md), so 1 / 1.42; near its
+# largest batch a network keeps the policy's own, smaller floor
+_BLOCKS_FLOOR_SHARE = 0.7
 
 
 def replay_work(plan) -> int:
@@ -66,7 +66,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     the most on the device; ``segments_for(keep)`` finds segments checkpointing ``keep`` and
     ``cuts`` are the route's cuts (policy Rule 8), for whole-block plans. Returns the plan with
     the least replay work among those that fit with nothing moved, else ``plan``."""
-    tries = [_trim(plan, list(plan.segments), budget, build), _trim(plan, candidates, budget, build)]
+    tries = [_trim(plan, list(plan.segments), budget, build),
+             _trim(plan, candidates, budget, build)]
     if segments_for is not None and cuts:
         tries.append(_whole_blocks(plan, budget, build, segments_for, cuts))
     fitting = [t for t in tries if t is not None]

@@ -1,0 +1,84 @@
+"""Planner-side figures quoted in DESIGN.md and BENCHMARKS.md (no GPU needed):
+
+- capture time of a deep ResNet with and without the capture memo (trace.py Rule 4);
+- within an 11.5 GiB budget, the plan each batch gets: its replays, whole blocks, and the bytes
+  the Tensor Cache would move a step, beside the policy's floor's (trim.py);
+- the bytes a plan holds that the pool cannot move (what Inception-v4's largest batch hits).
+
+    python benchmarks/planner_costs.py [OUT_DIR]
+"""
+
+import importlib
+import os
+import sys
+import time
+
+import torch
+
+import superneurons as sn
+from superneurons import models
+from superneurons.capture import capture
+from superneurons.planner import Policy
+from superneurons.planner.predict import live_per_step
+from common import write
+
+trace = importlib.import_module("superneurons.capture.trace")
+BUDGET = int(11.5 * 2**30)
+
+
+def capture_seconds() -> dict:
+    with torch.device("meta"):
+        capture(models.resnet(blocks=(3, 4, 6, 3)), (16, 3, 224, 224))   # warm PyTorch up
+        model = models.resnet(blocks=(3, 4, 300, 3))
+    began = time.perf_counter()
+    graph = capture(model, (16, 3, 224, 224))
+    memoized = time.perf_counter() - began
+    real_key = trace.memo_key
+    trace.memo_key = lambda *args: None
+    try:
+        began = time.perf_counter()
+        capture(model, (16, 3, 224, 224))
+        full = time.perf_counter() - began
+    finally:
+        trace.memo_key = real_key
+    return {"layers": len(graph.layers), "seconds_with_memo": memoized,
+            "seconds_without_memo": full}
+
+
+def unmovable_peak(plan) -> int:
+    """The most bytes live at one step outside the Tensor Pool."""
+    managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * len(plan.order))
+    return max(step.live_bytes - moved for step, moved in zip(plan.steps, managed))
+
+
+def plans_within_budget(name: str, batches: list) -> list:
+    rows = []
+    for batch in batches:
+        with torch.device("meta"):
+            model = models.build(name)
+        shape = models.input_shape(name, batch)
+        graph = capture(model, shape)
+        chosen = sn.planner.plan_graph(graph, Policy.SUPERNEURONS, BUDGET)
+        floor = sn.planner.plan_graph(graph, Policy.SUPERNEURONS)
+        whole = sum(1 for s in chosen.segments if any(
+            graph.layers[l].kind.value in ("CONV", "FC") for l in s.layers))
+        rows.append({"batch": batch, "layers_replayed": chosen.num_extra_computations,
+                     "whole_blocks": whole, "bytes_to_move": chosen.bytes_to_move(),
+                     "floor_bytes_to_move": floor.bytes_to_move(BUDGET),
+                     "unmovable_peak_bytes": unmovable_peak(chosen),
+                     "predicted_floor_peak_bytes": chosen.peak_bytes})
+        print(name, rows[-1], flush=True)
+    return rows
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    record = {"budget_bytes": BUDGET, "capture": capture_seconds()}
+    print(record["capture"], flush=True)
+    record["resnet50"] = plans_within_budget("resnet50", [140, 280, 450, 500, 600])
+    record["inception_v4"] = plans_within_budget("inception_v4", [293, 320])
+    write(os.path.join(out, "planner_costs.json"), record)
+
+
+if __name__ == "__main__":
+    main()
