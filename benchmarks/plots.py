@@ -57,10 +57,7 @@ def speed(folder: str) -> None:
                             if r["system"] == system and r["dtype"] == dtype)
             if points:
                 axis.plot(*zip(*points), marker="o", label=f"{system} {dtype}")
-    axis.set_xlabel("batch (ResNet-50, 12 GiB cap)")
-    axis.set_ylabel("images / s")
-    axis.legend(fontsize=7)
-    _save(figure, folder, "speed.png")
+    _finish(figure, axis, folder, "speed.png", "batch (ResNet-50, 12 GiB cap)", "images / s")
 
 
 def bytes_moved(folder: str) -> None:
@@ -73,10 +70,8 @@ def bytes_moved(folder: str) -> None:
         axis.plot([r["batch"] for r in rows],
                   [r[label].get("offloaded_bytes", 0) / 2**30 for r in rows], marker="o",
                   label=label.replace("_", " "))
-    axis.set_xlabel("batch (ResNet-50)")
-    axis.set_ylabel("GiB offloaded per step")
-    axis.legend()
-    _save(figure, folder, "cache.png")
+    _finish(figure, axis, folder, "cache.png", "batch (ResNet-50)", "GiB offloaded per step",
+            legend_size=None)
 
 
 def recomputations(folder: str) -> None:
@@ -149,10 +144,16 @@ def densenet_memory(folder: str) -> None:
                   if row["measured_peak_bytes"].get(name)]
         if points:
             axis.plot(*zip(*points), marker="o", label=f"{name} measured")
-    axis.set_xlabel("DenseNet-BC depth (k=12, 32 px, batch 64)")
-    axis.set_ylabel("GiB")
-    axis.legend(fontsize=7)
-    _save(figure, folder, "densenet_memory.png")
+    _finish(figure, axis, folder, "densenet_memory.png",
+            "DenseNet-BC depth (k=12, 32 px, batch 64)", "GiB")
+
+
+def _finish(figure, axis, folder: str, name: str, xlabel: str, ylabel: str,
+            legend_size: int | None = 7) -> None:
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.legend(fontsize=legend_size)
+    _save(figure, folder, name)
 
 
 def _save(figure, folder: str, name: str) -> None:
