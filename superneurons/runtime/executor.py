@@ -48,10 +48,10 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
-def foreign_bytes(graph, x: torch.Tensor) -> int:
+def foreign_bytes(graph, x: torch.Tensor, parameters=None) -> int:
     """Device memory the plan does not know of: optimizer state, the user's other tensors."""
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in graph.graph_module.parameters()
-                if p.grad is not None)
+    parameters = graph.graph_module.parameters() if parameters is None else parameters
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
     known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
     return max(0, allocated_bytes(x.device) - known)
 
@@ -95,6 +95,11 @@ class Executor:
         self.calibrating = False
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
+        # model state, listed once: walking the module tree every step cost host time
+        # proportional to the number of layers (a parameter replaced later is then merely
+        # pooled like an activation, still exact)
+        self.parameters = list(self.gm.parameters())
+        self.state = [*self.parameters, *self.gm.buffers()]
         self.num_layers = len(plan.order)
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
@@ -175,11 +180,10 @@ class Executor:
         self.step_id += 1
         self.records, self.pending = {}, []
         self.backward_step = None      # step numbers repeat every training step
-        self.param_ptrs = {t.untyped_storage().data_ptr() for t in
-                           (*self.gm.parameters(), *self.gm.buffers())}
+        self.param_ptrs = {t.untyped_storage().data_ptr() for t in self.state}
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda":
-            self.foreign_bytes = foreign_bytes(self.graph, args[0])
+            self.foreign_bytes = foreign_bytes(self.graph, args[0], self.parameters)
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0

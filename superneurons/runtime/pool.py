@@ -82,6 +82,8 @@ class TensorPool:
     def make_room(self, step: int, forward: bool, limit: int | None = None) -> None:
         """Rule 1: offload least recently used, unlocked entries until the pool fits."""
         self._drain(limit=None)
+        if not self.device_bytes:
+            return                               # nothing on the device to move
         limit = self.allowance(step) if limit is None else limit
         if self.device_bytes <= limit:
             return
