@@ -19,7 +19,6 @@ import superneurons as sn
 from superneurons import models
 from superneurons.capture import capture
 from superneurons.planner import Policy
-from superneurons.planner.predict import live_per_step
 from common import write
 
 trace = importlib.import_module("superneurons.capture.trace")
@@ -45,12 +44,6 @@ def capture_seconds() -> dict:
             "seconds_without_memo": full}
 
 
-def unmovable_peak(plan) -> int:
-    """The most bytes live at one step outside the Tensor Pool."""
-    managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * len(plan.order))
-    return max(step.live_bytes - moved for step, moved in zip(plan.steps, managed))
-
-
 def plans_within_budget(name: str, batches: list) -> list:
     rows = []
     for batch in batches:
@@ -65,7 +58,7 @@ def plans_within_budget(name: str, batches: list) -> list:
         rows.append({"batch": batch, "layers_replayed": chosen.num_extra_computations,
                      "whole_blocks": whole, "bytes_to_move": chosen.bytes_to_move(),
                      "floor_bytes_to_move": floor.bytes_to_move(BUDGET),
-                     "unmovable_peak_bytes": unmovable_peak(chosen),
+                     "unmovable_peak_bytes": max(chosen.unmanaged_per_step()),
                      "predicted_floor_peak_bytes": chosen.peak_bytes})
         print(name, rows[-1], flush=True)
     return rows

@@ -28,7 +28,7 @@ LINK_COST = 100
 class LayerCosts:
     forward: tuple     # l_f per layer index, bytes
     backward: tuple    # l_b per layer index, bytes
-    work: tuple = ()   # replay cost per layer index, bytes of memory traffic (see above)
+    work: tuple        # replay cost per layer index, bytes of memory traffic (see above)
 
     @property
     def peak(self) -> int:

@@ -93,6 +93,11 @@ class Plan:
                       self.strategy, budget, list(self.segments))
         return bytes_to_move(keep, budget)
 
+    def unmanaged_per_step(self) -> list:
+        """Per step, the live bytes the Tensor Pool cannot move (all but its managed buffers)."""
+        managed, _ = live_per_step([b for b in self.buffers if b.managed], len(self.steps))
+        return [step.live_bytes - moved for step, moved in zip(self.steps, managed)]
+
     def replay_inputs(self) -> dict:
         """Per segment, the inputs some replay reads; those no replay reaches can go early."""
         return {s.index: self.needs.replay_inputs(s) for s in self.segments}
@@ -164,10 +169,12 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
         fitting = [c for c in candidates if budget is None or c.peak_bytes <= budget]
         if not fitting:
             _raise_over_budget(candidates[-1], budget)
+        result = fitting[0]
         if budget is None:
-            return fitting[0]
-        policy = fitting[0].policy       # and within the budget, what that policy replays
-    result = _build(graph, order, timeline, costs, policy, strategy, budget)
+            return result
+        policy = result.policy           # and within the budget, what that policy replays
+    else:
+        result = _build(graph, order, timeline, costs, policy, strategy, budget)
     if budget is not None and result.peak_bytes <= budget and policy.recomputes:
         def build(p, segments):
             return _build(graph, order, timeline, costs, p, strategy, budget, segments)

@@ -30,7 +30,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
-from ..planner.predict import live_per_step
 from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
 from .pool import TensorPool
@@ -104,8 +103,7 @@ class Executor:
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
         self._replay_liveness(graph)
-        managed, _ = live_per_step([b for b in plan.buffers if b.managed], 2 * self.num_layers)
-        self.unmanaged = [s.live_bytes - m for s, m in zip(plan.steps, managed)]
+        self.unmanaged = plan.unmanaged_per_step()
         self.unmanaged_max = _RangeMax(self.unmanaged)
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),

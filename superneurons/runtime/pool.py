@@ -155,7 +155,6 @@ class TensorPool:
             self.lru[entry.key] = entry
         else:
             self.cache_misses += 1
-            self.locked.add(entry.key)
             self.make_room(step, forward=False)
             self._prefetch(entry)
             self.mover.ready(entry.device, entry.event)
@@ -178,15 +177,16 @@ class TensorPool:
             need = entry.next_need(step)
             if need >= 1 << 60 or self.device_bytes + entry.nbytes > self.allowance(step, need):
                 break
-            self._prefetch(entry)
+            try:
+                self._prefetch(entry)
+            except torch.OutOfMemoryError:   # ahead of need: it comes back when it is needed
+                break
 
     def _prefetch(self, entry: Entry) -> None:
+        """Start bringing ``entry`` back. Out of memory, it raises: ahead of need the pool stops
+        prefetching; a fetch needed now is retried by the executor (its Rule 5)."""
         after = entry.event if entry.state is State.TO_HOST else None
-        try:
-            entry.device, entry.event = self.mover.to_device(entry.host, after)
-        except torch.OutOfMemoryError:
-            self.make_room(0, forward=False)     # evict whatever is unlocked, then retry once
-            entry.device, entry.event = self.mover.to_device(entry.host, after)
+        entry.device, entry.event = self.mover.to_device(entry.host, after)
         entry.state = State.TO_DEVICE
         self.device_bytes += entry.nbytes
         self.prefetched_bytes += entry.nbytes
