@@ -18,7 +18,9 @@ Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
-        are beyond reach.
+        are beyond reach. The retry is exact because PyTorch's layers allocate their results
+        before they write anything (a layer that updated a buffer and then failed would
+        update it twice).
 """
 
 import operator
