@@ -161,6 +161,9 @@ def _try_step(build, system_name, options) -> bool:
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
         if "memory" not in str(error) and "needs at least" not in str(error):
             raise
+        # the log says why a probe failed: our out-of-memory retries, a budget below the
+        # plan's floor, or PyTorch's allocator
+        print(f"  {system_name} does not fit: {str(error).splitlines()[0][:160]}", flush=True)
         error.__traceback__ = None
         return False
 
