@@ -63,11 +63,28 @@ class DenyWorkspace(TorchDispatchMode):
         kwargs = kwargs or {}
         if func not in self.CONVOLUTIONS:
             return func(*args, **kwargs)
-        fillers = self._fill(self.cap_bytes - self.allocated() - needed_bytes(func, args) - _SLOP)
+        needed = needed_bytes(func, args) + _SLOP
+        fillers = self._fill(self.cap_bytes - self.allocated() - needed)
+        self._leave_room(fillers, needed)
         try:
             return func(*args, **kwargs)
         finally:
             del fillers
+
+    def _leave_room(self, fillers: list, needed: int) -> None:
+        """Give fillers back until the results fit in one piece: the bytes free under the cap
+        are not all usable (partly used pages of freed tensors stay mapped), and a step that
+        ran out of memory here would measure nothing (results/workspace.json once)."""
+        while True:
+            try:
+                probe = torch.empty(needed, dtype=torch.uint8, device=self.device)
+                del probe                        # cached: the results reuse its room
+                break
+            except torch.OutOfMemoryError:
+                if not fillers:
+                    break                        # the step itself does not fit
+                fillers.pop()                    # the smallest, filled last
+        self.filled_bytes[-1] = sum(f.numel() for f in fillers)
 
     def _fill(self, room: int) -> list:
         fillers, size = [], room

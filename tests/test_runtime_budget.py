@@ -295,3 +295,40 @@ def test_running_out_of_memory_twice_in_backward_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="backward of a superneurons step.*zero them"):
         F.nll_loss(sn.wrap(model, policy="superneurons")(X), Y).backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_device_entries_count_whole_allocator_pages():
+    """Pool Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page,
+    so many small entries leave room for the slivers of pages they keep mapped; the exact bytes
+    stay known for the executor's calibration."""
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: 5 << 20)
+    pool.granule = 2 << 20                         # as on CUDA
+    entries = [pool.add(k, torch.zeros(1000, dtype=torch.uint8), last_forward_step=0)
+               for k in "abc"]
+    assert pool.device_bytes == 6 << 20 and pool.exact_device_bytes == 3000
+    pool.make_room(step=1, forward=True)           # 6 MiB counted > 5 MiB room: one leaves
+    assert [e.state for e in entries].count(State.ON_HOST) == 1
+    assert pool.device_bytes == 4 << 20 and pool.exact_device_bytes == 2000
+
+
+def test_the_host_slab_falls_back_when_memory_cannot_be_pinned(monkeypatch):
+    """A system that will not page-lock the planned bytes gets a smaller pinned slab, and
+    pageable memory when it pins nothing: slower copies, not a failed step."""
+    from superneurons.runtime import host
+    real_empty = torch.empty
+
+    def pin_at_most(limit):
+        def empty(*args, pin_memory=False, **kwargs):
+            if pin_memory and args[0] > limit:
+                raise RuntimeError("CUDA error: out of memory")
+            return real_empty(*args, **kwargs)      # pinned or not: the same on the CPU
+        return empty
+    monkeypatch.setattr(host.torch, "empty", pin_at_most(3000))
+    slab = host.HostSlab(pin=True)
+    slab.reserve(10_000, at_least=1000)
+    assert slab.capacity == 2500                   # halved until it could be pinned
+    monkeypatch.setattr(host.torch, "empty", pin_at_most(0))
+    slab = host.HostSlab(pin=True)
+    slab.reserve(10_000, at_least=1000)
+    assert slab.capacity == 10_000                 # nothing pinned: all pageable
+    assert host.host_buffer(500, pin=True).numel() == 500

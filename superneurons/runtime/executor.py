@@ -161,7 +161,7 @@ class Executor:
             outside = (int(1.25 * outside) if self.excess_bytes is None
                        else outside + self.excess_bytes)
             if self.calibrating:
-                ours = allocated_bytes(self.device) - self.pool.device_bytes
+                ours = allocated_bytes(self.device) - self.pool.exact_device_bytes
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
@@ -169,7 +169,7 @@ class Executor:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.device_bytes
+            ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.exact_device_bytes
             self.seen_excess = max(self.seen_excess or 0, ours - self.unmanaged[step])
 
     def bwd(self, layer_index: int) -> int:

@@ -3,11 +3,24 @@
 Pinned allocation synchronizes the device and is slow, so it happens once per plan (and again
 only if the slab must grow); regions are handed out first-fit and returned for reuse. A region
 whose host-to-device copy may still be running is reused only once that copy has finished.
+Where the system will not pin that much (64 GiB failed on a 128 GiB machine), the slab is
+smaller and the rest comes from separate buffers, pageable as a last resort: slower copies
+rather than a failed step.
 """
 
 import torch
 
 _ALIGN = 512
+
+
+def host_buffer(num_bytes: int, pin: bool) -> torch.Tensor:
+    """A host buffer, pinned if the system allows it, else pageable."""
+    if pin:
+        try:
+            return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            pass
+    return torch.empty(num_bytes, dtype=torch.uint8)
 
 
 class HostSlab:
@@ -21,12 +34,22 @@ class HostSlab:
     def capacity(self) -> int:
         return self.buffer.numel()
 
-    def reserve(self, num_bytes: int) -> None:
-        """Make the slab at least ``num_bytes`` large; only valid while no region is in use."""
+    def reserve(self, num_bytes: int, at_least: int = 0) -> None:
+        """Make the slab ``num_bytes`` large, or as large as the system will pin down to
+        ``at_least``; only valid while no region is in use."""
         if num_bytes <= self.capacity:
             return
-        self.buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.pin)
-        self.free, self.deferred = [(0, num_bytes)], []
+        size = num_bytes
+        while True:
+            try:
+                self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+                break
+            except RuntimeError:                     # page-locking refused
+                size //= 2
+                if size < max(at_least, 1):          # none pinned: all pageable
+                    self.buffer = torch.empty(num_bytes, dtype=torch.uint8)
+                    break
+        self.free, self.deferred = [(0, self.buffer.numel())], []
 
     def alloc(self, num_bytes: int) -> torch.Tensor | None:
         size = -(-num_bytes // _ALIGN) * _ALIGN

@@ -14,6 +14,10 @@ Rule 3: the room the pool may use at a step is the budget less what the plan say
 Rule 4: an entry whose offload is in flight still holds its device bytes (mover Rule 1): the pool
         counts them until the copy has finished, and waits for the oldest copies when the budget
         needs their room now.
+Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page: a tensor the
+        pool frees between live ones leaves partly used pages that stay mapped, and hundreds of
+        entries' slivers (0.7-1.0 GiB at Inception-v4's stem, results/diagnose_inception_v4.json)
+        made autograd's own kernels, which nothing can retry, run out of memory within the budget.
 """
 
 import enum
@@ -21,8 +25,10 @@ from collections import OrderedDict
 
 import torch
 
-from .host import HostSlab
+from .host import HostSlab, host_buffer
 from .mover import Mover
+
+_DEVICE_PAGE = 2 << 20                       # the CUDA caching allocator's page (Rule 5)
 
 
 class State(enum.Enum):
@@ -33,13 +39,14 @@ class State(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("key", "nbytes", "device", "host", "event", "state", "last_forward_step",
+    __slots__ = ("key", "nbytes", "footprint", "device", "host", "event", "state", "last_forward_step",
                  "need_steps", "refs", "pool")
 
     def __init__(self, pool, key, storage_bytes: torch.Tensor, last_forward_step: int):
         self.pool, self.key = pool, key
         self.device = storage_bytes              # uint8 tensor over the whole storage
         self.nbytes = storage_bytes.numel()
+        self.footprint = pool.footprint(self.nbytes)           # Rule 5
         self.host = self.event = None
         self.state = State.ON_DEVICE
         self.last_forward_step = last_forward_step
@@ -59,12 +66,22 @@ class TensorPool:
         self.allowance = allowance               # step -> bytes the pool may hold on the device
         self.entries: dict = {}                  # key -> Entry
         self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
-        self.device_bytes = 0
+        self.device_bytes = 0                    # counted by footprint (Rule 5)
+        self.exact_device_bytes = 0              # as allocated, for the executor's calibration
         self.locked: set = set()                 # keys the running layer reads
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
         self._waiting = None                     # host entries by next need, rebuilt lazily
-        self.draining: list = []                 # (event, device bytes) of offloads in flight
+        self.draining: list = []                 # (event, device bytes, footprint) in flight
+        self.granule = _DEVICE_PAGE if self.mover.cuda else 1
+
+    def _hold(self, footprint: int, nbytes: int) -> None:
+        self.device_bytes += footprint
+        self.exact_device_bytes += nbytes
+
+    def footprint(self, nbytes: int) -> int:
+        """The device bytes the pool counts for ``nbytes`` (Rule 5)."""
+        return -(-nbytes // self.granule) * self.granule
 
     # -- forward -------------------------------------------------------------------------------
     def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:
@@ -72,7 +89,7 @@ class TensorPool:
         if entry is None:
             entry = self.entries[key] = Entry(self, key, storage_bytes, last_forward_step)
             self.lru[key] = entry
-            self.device_bytes += entry.nbytes
+            self._hold(entry.footprint, entry.nbytes)
         else:
             entry.last_forward_step = max(entry.last_forward_step, last_forward_step)
             if key in self.lru:
@@ -87,7 +104,7 @@ class TensorPool:
         limit = self.allowance(step) if limit is None else limit
         if self.device_bytes <= limit:
             return
-        in_flight = sum(tensor.numel() for _, tensor in self.draining)
+        in_flight = sum(footprint for *_, footprint in self.draining)
         for key in list(self.lru):
             if self.device_bytes - in_flight <= limit:
                 break
@@ -101,13 +118,13 @@ class TensorPool:
         """Rule 4: free the device bytes of finished offloads; with a ``limit``, wait for the
         oldest ones until the pool fits under it."""
         while self.draining:
-            event, tensor = self.draining[0]
+            event, tensor, footprint = self.draining[0]
             if not event.query():
                 if limit is None or self.device_bytes <= limit:
                     return
                 event.synchronize()
             self.draining.pop(0)
-            self.device_bytes -= tensor.numel()
+            self._hold(-footprint, -tensor.numel())
 
     def _offload(self, entry: Entry) -> int:
         """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
@@ -121,24 +138,24 @@ class TensorPool:
         self._waiting = None
         in_flight = 0
         if entry.event is not None:                                      # Rule 4
-            self.draining.append((entry.event, entry.device))
-            in_flight = entry.nbytes
+            self.draining.append((entry.event, entry.device, entry.footprint))
+            in_flight = entry.footprint
         else:
-            self.device_bytes -= entry.nbytes
+            self._hold(-entry.footprint, -entry.nbytes)
         entry.device = None
         entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
         return in_flight
 
     def _host_region(self, nbytes: int) -> torch.Tensor:
         if self.slab.capacity == 0:              # pinned once, at the first offload
-            self.slab.reserve(max(self.host_hint_bytes, nbytes))
+            self.slab.reserve(max(self.host_hint_bytes, nbytes), at_least=nbytes)
         region = self.slab.alloc(nbytes)
         if region is None:
             in_use = sum(e.nbytes for e in self.entries.values() if e.host is not None)
             if in_use == 0:
-                self.slab.reserve(max(2 * self.slab.capacity, nbytes, 64 << 20))
+                self.slab.reserve(max(2 * self.slab.capacity, nbytes, 64 << 20), at_least=nbytes)
             else:   # growing would move live regions: take a separate buffer for this one
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.slab.pin)
+                return host_buffer(nbytes, self.slab.pin)
             region = self.slab.alloc(nbytes)
         return region
 
@@ -175,7 +192,7 @@ class TensorPool:
             if entry.state not in (State.ON_HOST, State.TO_HOST):
                 continue
             need = entry.next_need(step)
-            if need >= 1 << 60 or self.device_bytes + entry.nbytes > self.allowance(step, need):
+            if need >= 1 << 60 or self.device_bytes + entry.footprint > self.allowance(step, need):
                 break
             try:
                 self._prefetch(entry)
@@ -188,7 +205,7 @@ class TensorPool:
         after = entry.event if entry.state is State.TO_HOST else None
         entry.device, entry.event = self.mover.to_device(entry.host, after)
         entry.state = State.TO_DEVICE
-        self.device_bytes += entry.nbytes
+        self._hold(entry.footprint, entry.nbytes)
         self.prefetched_bytes += entry.nbytes
 
     def unlock_all(self) -> None:
@@ -200,7 +217,7 @@ class TensorPool:
         if self.entries.pop(entry.key, None) is None:
             return
         if entry.device is not None:
-            self.device_bytes -= entry.nbytes
+            self._hold(-entry.footprint, -entry.nbytes)
         self.lru.pop(entry.key, None)
         if entry.host is not None and entry.host.untyped_storage().data_ptr() == \
                 self.slab.buffer.untyped_storage().data_ptr():
