@@ -168,7 +168,7 @@ def _try_step(build, system_name, options) -> bool:
         return False
 
 
-def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
+def largest(probe, low: int, bound: int | None = None, tolerance: float = 0.03,
             seconds: float | None = None, look_above=(1.25, 1.5)) -> tuple:
     """(n, exact): the largest n with probe(n) true; bisection stops within ``tolerance``, or
     when ``seconds`` have passed (exact False: n fits, the largest may be more).
@@ -176,19 +176,20 @@ def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
     Fitting need not be monotone in n under superneurons (a larger batch may get a different
     plan that fits where a smaller one's did not: BENCHMARKS.md, Inception-v4), so once the
     bisection ends, ``look_above`` multiples of the result are probed, and bisection goes on
-    above any that fits."""
+    above any that fits. ``bound``: no n from it up fits (it is known, so never probed)."""
     deadline = None if seconds is None else time.time() + seconds
 
     def out_of_time() -> bool:
         return deadline is not None and time.time() > deadline
+    high = bound
     while not probe(low):
         if low <= 1:
             return 0, True
         high, low = low, max(1, low // 2)
     high = high or low * 2
     while True:
-        while probe(high):
-            low, high = high, high * 2
+        while (bound is None or high < bound) and probe(high):
+            low, high = high, _capped(high * 2, bound)
             if out_of_time():
                 return low, False
         while high - low > max(1, int(low * tolerance)):
@@ -200,7 +201,12 @@ def largest(probe, low: int, high: int | None = None, tolerance: float = 0.03,
             else:
                 high = middle
         above = next((n for n in (int(low * f) for f in look_above)
-                      if n > high and not out_of_time() and probe(n)), None)
+                      if n > high and (bound is None or n < bound) and not out_of_time()
+                      and probe(n)), None)
         if above is None:
             return low, not out_of_time()
-        low, high = above, above * 2
+        low, high = above, _capped(above * 2, bound)
+
+
+def _capped(n: int, bound: int | None) -> int:
+    return n if bound is None else min(n, bound)

@@ -77,8 +77,8 @@ class DenyWorkspace(TorchDispatchMode):
         ran out of memory here would measure nothing (results/workspace.json once)."""
         while True:
             try:
-                probe = torch.empty(needed, dtype=torch.uint8, device=self.device)
-                del probe                        # cached: the results reuse its room
+                # freed at once, but cached: the results reuse its room
+                torch.empty(needed, dtype=torch.uint8, device=self.device)
                 break
             except torch.OutOfMemoryError:
                 if not fillers:

@@ -48,16 +48,29 @@ def start_for(system_name: str, anchors: tuple) -> int:
 def depth_part(args) -> dict:
     """Deepest bottleneck ResNet [3, 4, n, 3] at batch 16 per system."""
     result = {}
+    high = _model_state_bound(args.cap_gib)
     for name in args.systems:
         start = {"plain": 240, "checkpoint": 624, "save_on_cpu": 864, "superneurons": 864}[name]
         began = time.time()
         n3, exact = largest(lambda n: fits(lambda: _resnet(n, 16), name,
                                            **options_for(name, args.budget)),
-                            start, tolerance=0.03, seconds=args.seconds)
+                            min(start, high - 1), bound=high, tolerance=0.03,
+                            seconds=args.seconds)
         result[name] = {"n3": n3, "depth": 3 * (n3 + 10) + 2, "exact": exact,
-                        "seconds": time.time() - began}
+                        "seconds": time.time() - began, "model_state_bound_n3": high}
         print(name, result[name], flush=True)
     return result
+
+
+def _model_state_bound(cap_gib: float) -> int:
+    """The stage-3 size n whose weights, gradients and momentum alone fill the cap: no system
+    keeping model state on the device goes deeper, so the bisection need not probe above it
+    (probes there cost a full step each before they fail)."""
+    def parameter_bytes(n3):
+        with torch.device("meta"):
+            return 4 * sum(p.numel() for p in models.resnet(blocks=(3, 4, n3, 3)).parameters())
+    per_block = parameter_bytes(2) - parameter_bytes(1)
+    return int((cap_gib * 2**30 / 3 - parameter_bytes(1)) // per_block) + 2
 
 
 def _resnet(n3: int, batch: int):
