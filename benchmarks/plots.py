@@ -97,13 +97,19 @@ def _speed_by_condition(folder: str, part: str, name: str) -> None:
     records = _records(folder, part)
     if not records:
         return
-    conditions = records[-1]["results"]
-    labels, bars = None, {}
-    for condition, networks in conditions.items():
-        rows = [(f"{n} {r['batch']} {r['system']}", r.get("images_per_s") or 0)
-                for n, network_rows in networks.items() for r in network_rows]
-        labels = [label for label, _ in rows]
-        bars[condition] = [value for _, value in rows]
+    # records with the latest's conditions are merged (a later row replaces an earlier one)
+    conditions = {condition: {} for condition in records[-1]["results"]}
+    for record in records:
+        if set(record["results"]) != set(conditions):
+            continue
+        for condition, networks in record["results"].items():
+            for network, network_rows in networks.items():
+                for row in network_rows:
+                    conditions[condition][network, row["batch"], row["system"]] = row
+    keys = sorted({key for rows in conditions.values() for key in rows})
+    labels = [" ".join(map(str, key)) for key in keys]
+    bars = {condition: [(rows[key].get("images_per_s") or 0) if key in rows else 0
+                        for key in keys] for condition, rows in conditions.items()}
     figure, axis = plt.subplots(figsize=(7, 3.5))
     width = 0.8 / len(bars)
     for index, (condition, values) in enumerate(bars.items()):
@@ -118,11 +124,13 @@ def _speed_by_condition(folder: str, part: str, name: str) -> None:
 def deepest(folder: str) -> None:
     for part, key, label in (("depth", "depth", "deepest ResNet, batch 16"),
                              ("densenet", "depth", "deepest DenseNet-BC, batch 64")):
-        records = [r for r in _records(folder, part) if r["results"].get("deepest", r["results"])]
-        if not records:
+        table = {}                               # later records' systems replace earlier ones'
+        for record in _records(folder, part):
+            table.update(record["results"].get("deepest", record["results"]))
+        if part == "densenet":
+            table.pop("memory_by_depth", None)
+        if not table:
             continue
-        table = records[-1]["results"]
-        table = table.get("deepest", table)
         figure, axis = plt.subplots(figsize=(5, 3.5))
         axis.bar(list(table), [row[key] for row in table.values()])
         axis.set_ylabel(f"{label} (layers)")

@@ -1,5 +1,6 @@
 """superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -101,6 +102,11 @@ def run(args) -> None:
         bar.close()
     if world > 1:
         import torch.distributed as dist
+        # every rank done with its collectives, and DDP's reducer (which holds Gloo work) gone,
+        # before the group: a rank once aborted at exit otherwise (a known Gloo teardown race)
+        dist.barrier()
+        del wrapped
+        gc.collect()
         dist.destroy_process_group()
         if rank != 0:
             return

@@ -41,9 +41,11 @@ from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_rando
 
 # steps that read the allocator at every layer (Rule 4)
 CALIBRATION_STEPS = 2
-# before any calibration, real use is taken as this multiple of the plan: 1.25 let Inception-v4's
-# first step (batch 400, budget 10.5 GiB) peak at 11.5 GiB in autograd's kernels, between the
-# readings (results/diagnose_inception_v4.json)
+# before any calibration, real use is taken as this multiple of the plan: with 1.25 Inception-v4's
+# first step (batch 400, budget 10.5 GiB) peaked at 11.5 GiB in autograd's kernels, between the
+# readings, and at 11.5 GiB it ran out of memory there (benchmarks/results/
+# diagnose_inception_v4_3_budgets.json); with 1.5, batches 381 and 400 fit
+# (diagnose_inception_v4.json)
 FIRST_STEP_MARGIN = 1.5
 
 

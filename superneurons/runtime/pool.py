@@ -15,9 +15,10 @@ Rule 4: an entry whose offload is in flight still holds its device bytes (mover 
         counts them until the copy has finished, and waits for the oldest copies when the budget
         needs their room now.
 Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page: a tensor the
-        pool frees between live ones leaves partly used pages that stay mapped, and hundreds of
-        entries' slivers (0.7-1.0 GiB at Inception-v4's stem, results/diagnose_inception_v4.json)
-        made autograd's own kernels, which nothing can retry, run out of memory within the budget.
+        pool frees between live ones leaves partly used pages that stay mapped: with hundreds of
+        entries live, 0.7-1.0 GiB of such slivers at Inception-v4's stem left autograd's own
+        kernels, which nothing can retry, out of memory within the budget (benchmarks/results/
+        diagnose_inception_v4_1_before.json; the executor's first-step margin did the rest).
 """
 
 import enum
@@ -39,8 +40,8 @@ class State(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("key", "nbytes", "footprint", "device", "host", "event", "state", "last_forward_step",
-                 "need_steps", "refs", "pool")
+    __slots__ = ("key", "nbytes", "footprint", "device", "host", "event", "state",
+                 "last_forward_step", "need_steps", "refs", "pool")
 
     def __init__(self, pool, key, storage_bytes: torch.Tensor, last_forward_step: int):
         self.pool, self.key = pool, key
