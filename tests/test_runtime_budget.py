@@ -325,10 +325,22 @@ def test_the_host_slab_falls_back_when_memory_cannot_be_pinned(monkeypatch):
         return empty
     monkeypatch.setattr(host.torch, "empty", pin_at_most(3000))
     slab = host.HostSlab(pin=True)
-    slab.reserve(10_000, at_least=1000)
-    assert slab.capacity == 2500                   # halved until it could be pinned
+    slab.reserve(10_000, at_least=1000)            # a power of two, as PyTorch pins: 16384
+    assert slab.capacity == 2048                   # halved until it could be pinned
     monkeypatch.setattr(host.torch, "empty", pin_at_most(0))
     slab = host.HostSlab(pin=True)
     slab.reserve(10_000, at_least=1000)
     assert slab.capacity == 10_000                 # nothing pinned: all pageable
     assert host.host_buffer(500, pin=True).numel() == 500
+
+
+def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monkeypatch):
+    """With PYTORCH_NO_CUDA_MEMORY_CACHING=1 the allocator's statistics read zero: the runtime
+    must notice (the input itself is not counted) rather than trust readings of nothing."""
+    from superneurons.runtime import executor
+    x = torch.randn(4, 4)
+    monkeypatch.setattr(executor, "allocated_bytes", lambda device: 0)
+    assert not executor.allocator_counts(x)
+    monkeypatch.setattr(executor, "allocated_bytes", lambda device: 64 + 1000)
+    assert executor.allocator_counts(x)
+    assert executor.allocator_counts(torch.empty(0))          # nothing to tell by: trust it

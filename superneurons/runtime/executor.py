@@ -14,7 +14,9 @@ Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan
         workspace measured beside a small step up to every large one: 3.3x once,
         budget_margin.json). Later steps trust the calibration (a reading costs host time
         comparable to a small layer's kernels: profile_before.json), until an out-of-memory
-        retry calls for calibrating again.
+        retry calls for calibrating again. Before the first calibration, and always where the
+        allocator keeps no statistics (no caching allocator), real use is taken as
+        FIRST_STEP_MARGIN times the plan.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
@@ -53,6 +55,14 @@ def allocated_bytes(device: torch.device) -> int:
     """torch.cuda.memory_allocated without flattening all the allocator's statistics in Python
     (that flattening took ~0.3 ms a call, most of a step's host time: profile_before.json)."""
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
+
+
+def allocator_counts(x: torch.Tensor) -> bool:
+    """Whether the allocator's statistics count ``x``: without the caching allocator
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1) they read zero, and the runtime then keeps its own
+    accounting, as on the CPU, with the first-step margin at every step (Rule 4)."""
+    nbytes = x.numel() * x.element_size()
+    return nbytes == 0 or allocated_bytes(x.device) >= nbytes
 
 
 def foreign_bytes(graph, x: torch.Tensor, parameters=None) -> int:
@@ -100,6 +110,7 @@ class Executor:
         self.excess_bytes = self.seen_excess = None
         self.calibration_left = CALIBRATION_STEPS
         self.calibrating = False
+        self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
         # model state, listed once: walking the module tree every step cost host time
@@ -188,7 +199,9 @@ class Executor:
         self.backward_step = None      # step numbers repeat every training step
         self.param_ptrs = {t.untyped_storage().data_ptr() for t in self.state}
         self.autocast = capture_autocast(self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.reads_allocator is None:
+            self.reads_allocator = allocator_counts(args[0])
+        if self.device.type == "cuda" and self.reads_allocator:
             self.foreign_bytes = foreign_bytes(self.graph, args[0], self.parameters)
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50

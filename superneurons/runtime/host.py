@@ -3,9 +3,9 @@
 Pinned allocation synchronizes the device and is slow, so it happens once per plan (and again
 only if the slab must grow); regions are handed out first-fit and returned for reuse. A region
 whose host-to-device copy may still be running is reused only once that copy has finished.
-Where the system will not pin that much (64 GiB failed on a 128 GiB machine), the slab is
-smaller and the rest comes from separate buffers, pageable as a last resort: slower copies
-rather than a failed step.
+Where the system will not pin that much (a 64.5 GiB request, which PyTorch rounds up to 128,
+failed on a 128 GiB machine), the slab is smaller and the rest comes from separate buffers,
+pageable as a last resort: slower copies rather than a failed step.
 """
 
 import torch
@@ -39,7 +39,9 @@ class HostSlab:
         ``at_least``; only valid while no region is in use."""
         if num_bytes <= self.capacity:
             return
-        size = num_bytes
+        # PyTorch's pinned allocator rounds every request up to a power of two: ask for one,
+        # and the slab uses all that is page-locked (40 GiB asked would pin 64 anyway)
+        size = 1 << (num_bytes - 1).bit_length() if self.pin else num_bytes
         while True:
             try:
                 self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)

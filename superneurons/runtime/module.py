@@ -85,8 +85,8 @@ class SuperNeuronsModule(nn.Module):
         if self._last is None:
             return None
         plan, executor, device = self._last
-        cuda = device.type == "cuda"
-        measured = torch.cuda.max_memory_allocated(device) if cuda else None
+        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        cuda = measured > 0              # zero without the caching allocator: not a measurement
         if executor is None:
             return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
                              measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda)
