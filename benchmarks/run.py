@@ -63,9 +63,9 @@ def depth_part(args) -> dict:
 
 
 def _model_state_bound(cap_gib: float) -> int:
-    """The stage-3 size n whose weights, gradients and momentum alone fill the cap: no system
-    keeping model state on the device goes deeper, so the bisection need not probe above it
-    (probes there cost a full step each before they fail)."""
+    """The smallest stage-3 size n whose weights, gradients and momentum alone exceed the cap:
+    no system keeping model state on the device gets there, so the bisection never probes it
+    or above (probes there cost a full step each before they fail)."""
     def parameter_bytes(n3):
         with torch.device("meta"):
             return 4 * sum(p.numel() for p in models.resnet(blocks=(3, 4, n3, 3)).parameters())
