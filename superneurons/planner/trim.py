@@ -78,8 +78,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         blocks = build(plan.policy, segments_for(cuts))
         if blocks.peak_bytes <= _BLOCKS_FLOOR_SHARE * budget:
             options.append(blocks)
-    return min(options, key=lambda option: replay_work(option) + LINK_COST * bytes_to_move(
-        build(Policy.RECOMPUTE, list(option.segments)), budget))
+    return min(options, key=lambda option: replay_work(option)
+               + LINK_COST * option.bytes_to_move(budget))
 
 
 def bytes_to_move(keep_plan, budget: int) -> int:

@@ -117,7 +117,8 @@ class Executor:
         # proportional to the number of layers (a parameter replaced later is then merely
         # pooled like an activation, still exact)
         self.parameters = list(self.gm.parameters())
-        self.state = [*self.parameters, *self.gm.buffers()]
+        self.param_ptrs = {t.untyped_storage().data_ptr()
+                           for t in (*self.parameters, *self.gm.buffers())}
         self.num_layers = len(plan.order)
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
@@ -155,7 +156,9 @@ class Executor:
         """What each segment's replays read, and after which position a replay may drop a value."""
         self.replay_inputs = self.plan.replay_inputs()
         self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
+        self.segment_position = {}     # segment -> layer -> its position in the segment
         for segment in self.plan.segments:
+            self.segment_position[segment.index] = {l: p for p, l in enumerate(segment.layers)}
             inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
             uses = {}
             for node, p in inside.items():
@@ -197,7 +200,6 @@ class Executor:
         self.step_id += 1
         self.records, self.pending = {}, []
         self.backward_step = None      # step numbers repeat every training step
-        self.param_ptrs = {t.untyped_storage().data_ptr() for t in self.state}
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda" and self.reads_allocator is None:
             self.reads_allocator = allocator_counts(args[0])

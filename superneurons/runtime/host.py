@@ -3,8 +3,9 @@
 Pinned allocation synchronizes the device and is slow, so it happens once per plan (and again
 only if the slab must grow); regions are handed out first-fit and returned for reuse. A region
 whose host-to-device copy may still be running is reused only once that copy has finished.
-Where the system will not pin that much (a 64.5 GiB request, which PyTorch rounds up to 128,
-failed on a 128 GiB machine), the slab is smaller and the rest comes from separate buffers,
+Where the system will not pin that much (the slab for Inception-v4's offloads at batch 400, which
+PyTorch rounds up to a power of two, failed on a 128 GiB machine: benchmarks/results/
+diagnose_inception_v4_1_before.json), the slab is smaller and the rest comes from separate buffers,
 pageable as a last resort: slower copies rather than a failed step.
 """
 

@@ -22,7 +22,7 @@ Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB pa
 """
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
@@ -166,15 +166,13 @@ class TensorPool:
         if entry.state is State.ON_DEVICE:
             self.cache_hits += 1
             self.lru.move_to_end(entry.key)
-        elif entry.state is State.TO_DEVICE:
-            self.cache_hits += 1                 # prefetched in time, or nearly
-            self.mover.ready(entry.device, entry.event)
-            entry.state, entry.event = State.ON_DEVICE, None
-            self.lru[entry.key] = entry
         else:
-            self.cache_misses += 1
-            self.make_room(step, forward=False)
-            self._prefetch(entry)
+            if entry.state is State.TO_DEVICE:
+                self.cache_hits += 1             # prefetched in time, or nearly
+            else:
+                self.cache_misses += 1
+                self.make_room(step, forward=False)
+                self._prefetch(entry)
             self.mover.ready(entry.device, entry.event)
             entry.state, entry.event = State.ON_DEVICE, None
             self.lru[entry.key] = entry
@@ -184,12 +182,12 @@ class TensorPool:
     def prefetch_ahead(self, step: int) -> None:
         """Rule 2: bring back the entries backward reads next, while the budget has room."""
         if self._waiting is None:
-            self._waiting = sorted(
+            self._waiting = deque(sorted(
                 (e for e in self.entries.values() if e.state in (State.ON_HOST, State.TO_HOST)),
-                key=lambda e: e.next_need(step))
+                key=lambda e: e.next_need(step)))
         while self._waiting and self._waiting[0].state not in (State.ON_HOST, State.TO_HOST):
-            self._waiting.pop(0)                 # fetched or released since
-        for entry in list(self._waiting):
+            self._waiting.popleft()              # fetched or released since
+        for entry in self._waiting:              # nothing here changes the queue: no copy
             if entry.state not in (State.ON_HOST, State.TO_HOST):
                 continue
             need = entry.next_need(step)

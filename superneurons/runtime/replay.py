@@ -51,7 +51,7 @@ class SegmentRecord:
         return key[0]
 
     def _replay(self, key) -> None:
-        position = {layer: p for p, layer in enumerate(self.segment.layers)}
+        position = self._executor().segment_position[self.segment.index]
         if self.segment.strategy is Strategy.SPEED:
             wanted = {k for k in self.alive if k not in self.cache}
             last = max(position[self._layer_of(k)] for k in wanted)
