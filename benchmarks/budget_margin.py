@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import superneurons as sn  # noqa: E402
 from superneurons.planner import trim  # noqa: E402
-from common import cap_memory, make, write  # noqa: E402
+from common import cap_memory, make, sgd, write  # noqa: E402
 
 CASES = [("resnet101", 160), ("resnet101", 200), ("resnet101", 256), ("resnet152", 300)]
 BENCHMARK = "--no-benchmark" not in sys.argv      # the batch part leaves cuDNN's default
@@ -30,7 +30,7 @@ def attempt(network: str, batch: int, slack: float) -> dict:
     trim._SLACK = slack
     model, x, y = make(network, batch, "cuda")
     wrapped = sn.wrap(model, policy="superneurons", budget="11.5GiB")
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = sgd(model)
     row = {"network": network, "batch": batch, "slack": slack, "steps": []}
     try:
         for _ in range(3):

@@ -110,6 +110,11 @@ def make(name: str, batch: int, device, *, depth=None, growth=None, image=None, 
     return model, x, y
 
 
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer every benchmark steps: SGD with momentum (its state counts on the device)."""
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
 def sgd_step(model, optimizer, x, y, autocast_dtype=None) -> float:
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -124,7 +129,7 @@ def throughput(model, x, y, *, steps=8, warmup=3, autocast_dtype=None,
                warmup_context=contextlib.nullcontext) -> float:
     """Images per second over ``steps`` full SGD steps after ``warmup`` (run inside
     ``warmup_context()``: where cuDNN's benchmark mode chooses its algorithms)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = sgd(model)
     with warmup_context():
         for _ in range(warmup):
             sgd_step(model, optimizer, x, y, autocast_dtype)
@@ -154,7 +159,7 @@ def _try_step(build, system_name, options) -> bool:
     try:
         model, x, y = build()
         wrapped = system(system_name, model, **options)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        optimizer = sgd(model)
         sgd_step(wrapped, optimizer, x, y)
         torch.cuda.synchronize()
         return True

@@ -14,14 +14,14 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402 -- after the allocator's configuration
 
-from common import cap_memory, make, sgd_step, write
+from common import cap_memory, make, sgd, sgd_step, write
 import superneurons as sn
 
 
 def one_step(network: str, batch: int, budget_gib: float) -> dict:
     model, x, y = make(network, batch, "cuda")
     wrapped = sn.wrap(model, budget=f"{budget_gib}GiB")
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = sgd(model)
     result = {"network": network, "batch": batch, "budget_gib": budget_gib}
     try:
         sgd_step(wrapped, optimizer, x, y)

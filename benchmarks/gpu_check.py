@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import superneurons as sn
-from common import make, sgd_step, system, throughput, write
+from common import make, sgd, sgd_step, system, throughput, write
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "out"
 QUICK = "--quick" in sys.argv
@@ -102,7 +102,7 @@ def memory_per_step(name: str, batch: int) -> dict:
     for policy in ["liveness", *POLICIES]:
         wrapped = sn.wrap(model, policy=policy)
         recorder = StepRecorder(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        optimizer = sgd(model)
         sgd_step(wrapped, optimizer, x, y)                    # grads and momentum now exist
         torch.cuda.reset_peak_memory_stats()
         optimizer.zero_grad(set_to_none=False)

@@ -6,7 +6,7 @@ moment and dropping those that do not fit. `DenyWorkspace` takes, around every c
 warm-up steps, all the memory under the cap that the convolution's own outputs do not need, so
 only algorithms with (almost) no workspace are chosen; the timed steps then run those choices
 with no filler and no hook. (CUDNN_CONV_WSCAP_DBG changed nothing in this build:
-results/workspace_wscap0.json, results/workspace.json.) The record counts the convolutions the
+results/workspace_wscap0.json, results/workspace_wscap1.json.) The record counts the convolutions the
 mode saw: the backward's should be there too (autograd carries dispatch modes to its threads);
 if only the forward's are, only forward algorithms were constrained.
 """
@@ -74,7 +74,7 @@ class DenyWorkspace(TorchDispatchMode):
     def _leave_room(self, fillers: list, needed: int) -> None:
         """Give fillers back until the results fit in one piece: the bytes free under the cap
         are not all usable (partly used pages of freed tensors stay mapped), and a step that
-        ran out of memory here would measure nothing (results/workspace.json once)."""
+        ran out of memory here would measure nothing (results/workspace_fillers_before.json)."""
         while True:
             try:
                 # freed at once, but cached: the results reuse its room
@@ -84,7 +84,7 @@ class DenyWorkspace(TorchDispatchMode):
                 if not fillers:
                     break                        # the step itself does not fit
                 fillers.pop()                    # the smallest, filled last
-        self.filled_bytes[-1] = sum(f.numel() for f in fillers)
+        self.filled_bytes.append(sum(f.numel() for f in fillers))
 
     def _fill(self, room: int) -> list:
         fillers, size = [], room
@@ -95,5 +95,4 @@ class DenyWorkspace(TorchDispatchMode):
                 size = room
             except torch.OutOfMemoryError:           # no hole that large: smaller pieces
                 size //= 2
-        self.filled_bytes.append(sum(f.numel() for f in fillers))
         return fillers

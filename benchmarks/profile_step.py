@@ -21,7 +21,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from common import make, sgd_step, system, write  # noqa: E402
+from common import make, sgd, sgd_step, system, write  # noqa: E402
 
 DEFAULT = ["resnet50:64:0:plain", "resnet50:64:0:checkpoint", "resnet50:64:0:superneurons:recompute",
            "resnet50:64:0:superneurons:superneurons", "resnet50:140:12:plain",
@@ -48,7 +48,7 @@ def profile_config(config: str) -> dict:
             options["budget"] = f"{budget}GiB"
     model, x, y = make(network, batch, "cuda")
     wrapped = system(name, model, **options)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = sgd(model)
     for _ in range(2):
         sgd_step(wrapped, optimizer, x, y)
     torch.cuda.synchronize()

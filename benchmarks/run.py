@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
-from common import cap_memory, fits, largest, make, sgd_step, system, throughput, write  # noqa: E402
+from common import cap_memory, fits, largest, make, sgd, sgd_step, system, throughput, \
+    write  # noqa: E402
 from no_workspace import DenyWorkspace  # noqa: E402
 
 SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
@@ -188,7 +189,7 @@ def _peak_of_one_step(build, name: str):
         wrapped = system(name, model, **({"policy": "superneurons"} if name == "superneurons"
                                          else {}))
         torch.cuda.reset_peak_memory_stats()
-        sgd_step(wrapped, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), x, y)
+        sgd_step(wrapped, sgd(model), x, y)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
@@ -234,7 +235,7 @@ def cache_part(args) -> dict:
                                    ("without_cache", {"policy": "superneurons"})):
                 model, x, y = make(network, batch, "cuda")
                 wrapped = sn.wrap(model, **options)
-                optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+                optimizer = sgd(model)
                 try:
                     sgd_step(wrapped, optimizer, x, y)
                     row[label] = wrapped.stats.as_dict()
