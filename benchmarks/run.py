@@ -10,6 +10,7 @@ Every part writes DIR/PART.json with the command, device and versions. The card 
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -34,10 +35,17 @@ NO_WORKSPACE = "SUPERNEURONS_BENCH_NO_WORKSPACE"   # set in the workspace part's
 BATCH_START = {"alexnet": (2560, 2880), "vgg16": (148, 156), "inception_v4": (70, 200),
                "resnet50": (140, 344), "resnet101": (96, 256), "resnet152": (66, 188),
                "densenet201": (61, 116)}
+DEFAULT_BATCHES = (64, 140, 280)        # ResNet-50's batches for the cache, pool, workspace parts
+# the speed part's batches when --batches is not given: about plain's largest under the cap
+# (batch*.json) and about twice that, within superneurons' largest
+SPEED_BATCHES = {"alexnet": (768, 1024), "vgg16": (144, 256), "inception_v4": (64, 128),
+                 "resnet50": (140, 280), "resnet101": (96, 192), "resnet152": (64, 128),
+                 "densenet201": (56, 112)}
 
 
 def options_for(name: str, budget_gib: float) -> dict:
-    return {"policy": "superneurons", "budget": f"{budget_gib}GiB"} if name == "superneurons" else {}
+    return ({"policy": "superneurons", "budget": f"{budget_gib}GiB"} if name == "superneurons"
+            else {})
 
 
 def start_for(system_name: str, anchors: tuple) -> int:
@@ -86,14 +94,33 @@ def batch_part(args) -> dict:
         result[network] = {}
         for name in args.systems:
             began = time.time()
+            bound = _host_bound(network, args.host_gib) if name == "save_on_cpu" else None
             batch, exact = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
                                                   **options_for(name, args.budget)),
-                                   start_for(name, BATCH_START[network]), tolerance=0.03,
-                                   seconds=args.seconds)
+                                   start_for(name, BATCH_START[network]), bound=bound,
+                                   tolerance=0.03, seconds=args.seconds)
             result[network][name] = {"batch": batch, "exact": exact,
-                                     "seconds": time.time() - began}
+                                     "seconds": time.time() - began, "bound": bound}
             print(network, name, result[network][name], flush=True)
     return result
+
+
+def _host_bound(network: str, host_gib: float) -> int:
+    """A batch from which save_on_cpu is not probed: where what autograd saves in one step (the
+    liveness plan's activations), doubled for the pinned allocator's power-of-two blocks, would
+    take half the host's memory. Past it the system, not the GPU, would run out, and the kernel
+    may end the whole benchmark rather than raise."""
+    with torch.device("meta"):
+        model = models.build(network)
+    planned = sn.plan(model, models.input_shape(network, 8), policy="liveness")
+    per_image = 2 * (planned.peak_bytes - planned.resident_bytes) / 8
+    return max(2, int(host_gib * 2**30 / 2 / per_image))
+
+
+def _host_memory_gib() -> float:
+    with open("/proc/meminfo") as meminfo:
+        kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal"))
+    return kib / 2**20
 
 
 def speed_part(args) -> dict:
@@ -101,7 +128,7 @@ def speed_part(args) -> dict:
     result = {}
     for network in args.networks:
         rows = result[network] = []
-        for batch in args.batches:
+        for batch in args.batches or SPEED_BATCHES[network]:
             for dtype in args.dtypes:
                 for name in args.systems:
                     row = {"batch": batch, "dtype": dtype, "system": name}
@@ -145,40 +172,69 @@ def _speed(network, batch, name, dtype, budget_gib, cap_gib) -> dict:
 
 
 DENSENET_DEPTHS = (40, 100, 190, 250, 400, 700, 1000)     # DenseNet-BC: depth = 6n + 4
+DENSENET_SYSTEMS = ("plain", "checkpoint", "superneurons")  # checkpoint: per dense layer
 
 
 def densenet_part(args) -> dict:
     """DenseNet-BC (k=12, 32 px, batch 64): memory against depth, each system's measured peak for
     one SGD step with no cap beside the plan's prediction (liveness for plain, the superneurons
-    floor); then the deepest that fits the cap per system. Without CUDA: predictions only."""
+    floor); then the deepest that fits the cap per system. Without CUDA: predictions only.
+
+    The systems are plain, torch.utils.checkpoint around every dense layer (what the
+    memory-efficient DenseNet recomputes, and a little more: the layer's 3x3 convolution) and
+    superneurons; save_on_cpu is left out: its host memory grows with the square of the depth."""
     def build(depth, device="cuda"):
         model = models.densenet(depth, 12, cifar=True).to(device)
         x = torch.randn(64, 3, 32, 32, device=device)
         return model, x, torch.randint(0, 10, (64,), device=device)
     cuda = torch.cuda.is_available()
+    systems = [name for name in args.systems if name in DENSENET_SYSTEMS]
     rows = []
-    for depth in DENSENET_DEPTHS:
-        with torch.device("meta"):
-            model = models.densenet(depth, 12, cifar=True)
-        row = {"depth": depth, "predicted_peak_bytes": {
-            policy: sn.plan(model, (64, 3, 32, 32), policy=policy).peak_bytes
-            for policy in ("liveness", "superneurons")}}
+    for depth in DENSENET_DEPTHS if args.depths is None else args.depths:
+        row = {"depth": depth, "predicted_peak_bytes": _densenet_floors(depth)}
         if cuda:
             cap_memory(None)
-            row["measured_peak_bytes"] = {name: _peak_of_one_step(lambda: build(depth), name)
-                                          for name in args.systems}
+            device_bytes = torch.cuda.get_device_properties(0).total_memory
+            row["measured_peak_bytes"] = {
+                # plain past the card's memory would only spend time running out of it
+                name: None if name == "plain" and row["predicted_peak_bytes"]["liveness"]
+                > 0.9 * device_bytes else _peak_of_one_step(lambda: build(depth), name)
+                for name in systems}
             cap_memory(args.cap_gib)
         rows.append(row)
         print("densenet", row, flush=True)
     result = {"memory_by_depth": rows, "deepest": {}}
-    for name in args.systems if cuda else ():
-        start = {"plain": 262, "checkpoint": 1372, "save_on_cpu": 262, "superneurons": 1372}[name]
+    for name in systems if cuda and args.deepest else ():
+        start = {"plain": 262, "checkpoint": 1372, "superneurons": 1372}[name]
+        bound = _densenet_floor_bound(args.budget) if name == "superneurons" else None
+        began = time.time()
         n, exact = largest(lambda n: fits(lambda: build(6 * n + 4), name,
                                           **options_for(name, args.budget)),
-                           (start - 4) // 6, tolerance=0.03, seconds=args.seconds)
-        result["deepest"][name] = {"depth": 6 * n + 4, "exact": exact}
+                           (start - 4) // 6, bound=bound, tolerance=0.03, seconds=args.seconds)
+        result["deepest"][name] = {"depth": 6 * n + 4, "exact": exact,
+                                   "seconds": time.time() - began,
+                                   "bound_depth": bound and 6 * bound + 4}
         print(name, result["deepest"][name], flush=True)
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def _densenet_floors(depth: int) -> dict:
+    """The plan's peak for DenseNet-BC at ``depth``, batch 64: liveness and superneurons' floor."""
+    with torch.device("meta"):
+        model = models.densenet(depth, 12, cifar=True)
+    return {policy: sn.plan(model, (64, 3, 32, 32), policy=policy).peak_bytes
+            for policy in ("liveness", "superneurons")}
+
+
+def _densenet_floor_bound(budget_gib: float, depths=(700, 1000)) -> int:
+    """A block count n from which no DenseNet-BC fits superneurons' budget: where the line through
+    the floor at ``depths`` reaches the budget. The floor grows a little faster than linearly
+    (densenet_plan.json), so the line stays under it beyond ``depths`` and the bound is safe;
+    probes there would each spend a minute planning thousands of layers, only to be refused."""
+    (d0, f0), (d1, f1) = [(d, _densenet_floors(d)["superneurons"]) for d in depths]
+    depth = d1 + (budget_gib * 2**30 - f1) * (d1 - d0) / (f1 - f0)
+    return int((depth - 4) // 6) + 1
 
 
 def _peak_of_one_step(build, name: str):
@@ -228,7 +284,7 @@ def cache_part(args) -> dict:
     result = {}
     for network in args.networks:
         rows = result[network] = []
-        for batch in args.batches:
+        for batch in args.batches or DEFAULT_BATCHES:
             row = {"batch": batch}
             for label, options in (("with_cache", {"policy": "superneurons",
                                                    "budget": f"{args.budget}GiB"}),
@@ -254,7 +310,7 @@ def _speed_in_child(args, extra_env: dict, systems: list) -> dict:
         command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
                    "--tag", "_child", "--dtypes", "fp32", "--cap-gib", str(args.cap_gib),
                    "--budget", str(args.budget), "--networks", *args.networks,
-                   "--systems", *systems, "--batches", *map(str, args.batches)]
+                   "--systems", *systems, "--batches", *map(str, args.batches or DEFAULT_BATCHES)]
         subprocess.run(command, env={**os.environ, **extra_env}, check=True)
         with open(os.path.join(folder, "speed_child.json")) as record:
             return json.load(record)["results"]
@@ -292,13 +348,23 @@ def main():
                         help="superneurons' budget in GiB (default: the cap less 0.5 GiB)")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--networks", nargs="+", default=list(BATCH_START))
-    parser.add_argument("--batches", nargs="+", type=int, default=[64, 140, 280])
+    parser.add_argument("--batches", nargs="+", type=int, default=None,
+                        help="speed: per network, about plain's largest and twice it; "
+                             "cache, pool, workspace: 64 140 280")
     parser.add_argument("--seconds", type=float, default=None,
                         help="stop each bisection after this long (the record says exact: false)")
     parser.add_argument("--tag", default="", help="suffix of the record's file name")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="host memory save_on_cpu may fill (default: MemTotal; machines "
+                             "that grow their memory on use report less than they have)")
+    parser.add_argument("--depths", nargs="*", type=int, default=None,
+                        help="densenet: depths whose memory is measured (none: skip)")
+    parser.add_argument("--no-deepest", dest="deepest", action="store_false",
+                        help="densenet: measure memory against depth only")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = parser.parse_args()
     args.budget = args.budget or args.cap_gib - 0.5
+    args.host_gib = args.host_gib or _host_memory_gib()
     if torch.cuda.is_available():
         cap_memory(args.cap_gib)
     for part in args.parts:
