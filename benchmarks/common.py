@@ -36,11 +36,13 @@ def environment() -> dict:
     }
 
 
-def write(path: str, record: dict) -> None:
+def write(path: str, record: dict, quiet: bool = False) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".tmp", "w") as f:       # never a half-written record
         json.dump({**environment(), **record}, f, indent=1)
-    print(f"wrote {path}", flush=True)
+    os.replace(path + ".tmp", path)
+    if not quiet:
+        print(f"wrote {path}", flush=True)
 
 
 class CheckpointBlocks(nn.Module):
@@ -183,6 +185,7 @@ def largest(probe, low: int, bound: int | None = None, tolerance: float = 0.03,
     bisection ends, ``look_above`` multiples of the result are probed, and bisection goes on
     above any that fits. ``bound``: no n from it up fits (it is known, so never probed)."""
     deadline = None if seconds is None else time.time() + seconds
+    probe = _logged(probe)
 
     def out_of_time() -> bool:
         return deadline is not None and time.time() > deadline
@@ -211,6 +214,16 @@ def largest(probe, low: int, bound: int | None = None, tolerance: float = 0.03,
         if above is None:
             return low, not out_of_time()
         low, high = above, _capped(above * 2, bound)
+
+
+def _logged(probe):
+    def logged(n: int) -> bool:
+        began = time.time()
+        ok = probe(n)
+        print(f"  {n}: {'fits' if ok else 'does not fit'} ({time.time() - began:.0f} s)",
+              flush=True)
+        return ok
+    return logged
 
 
 def _capped(n: int, bound: int | None) -> int:

@@ -59,7 +59,8 @@ def depth_part(args) -> dict:
     result = {}
     high = _model_state_bound(args.cap_gib)
     for name in args.systems:
-        start = {"plain": 240, "checkpoint": 624, "save_on_cpu": 864, "superneurons": 864}[name]
+        start = args.start or {"plain": 240, "checkpoint": 624, "save_on_cpu": 864,
+                               "superneurons": 864}[name]
         began = time.time()
         n3, exact = largest(lambda n: fits(lambda: _resnet(n, 16), name,
                                            **options_for(name, args.budget)),
@@ -68,6 +69,7 @@ def depth_part(args) -> dict:
         result[name] = {"n3": n3, "depth": 3 * (n3 + 10) + 2, "exact": exact,
                         "seconds": time.time() - began, "model_state_bound_n3": high}
         print(name, result[name], flush=True)
+        args.save(result)
     return result
 
 
@@ -97,11 +99,13 @@ def batch_part(args) -> dict:
             bound = _host_bound(network, args.host_gib) if name == "save_on_cpu" else None
             batch, exact = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
                                                   **options_for(name, args.budget)),
-                                   start_for(name, BATCH_START[network]), bound=bound,
+                                   args.start or start_for(name, BATCH_START[network]),
+                                   bound=bound,
                                    tolerance=0.03, seconds=args.seconds)
             result[network][name] = {"batch": batch, "exact": exact,
                                      "seconds": time.time() - began, "bound": bound}
             print(network, name, result[network][name], flush=True)
+            args.save(result)
     return result
 
 
@@ -136,6 +140,7 @@ def speed_part(args) -> dict:
                                       args.cap_gib))
                     rows.append(row)
                     print(network, row, flush=True)
+                    args.save(result)
     return result
 
 
@@ -203,9 +208,10 @@ def densenet_part(args) -> dict:
             cap_memory(args.cap_gib)
         rows.append(row)
         print("densenet", row, flush=True)
+        args.save({"memory_by_depth": rows})
     result = {"memory_by_depth": rows, "deepest": {}}
     for name in systems if cuda and args.deepest else ():
-        start = {"plain": 262, "checkpoint": 1372, "superneurons": 1372}[name]
+        start = args.start or {"plain": 262, "checkpoint": 1372, "superneurons": 1372}[name]
         bound = _densenet_floor_bound(args.budget) if name == "superneurons" else None
         began = time.time()
         n, exact = largest(lambda n: fits(lambda: build(6 * n + 4), name,
@@ -215,6 +221,7 @@ def densenet_part(args) -> dict:
                                    "seconds": time.time() - began,
                                    "bound_depth": bound and 6 * bound + 4}
         print(name, result["deepest"][name], flush=True)
+        args.save(result)
     return result
 
 
@@ -301,6 +308,7 @@ def cache_part(args) -> dict:
                 torch.cuda.empty_cache()
             rows.append(row)
             print(network, row, flush=True)
+            args.save(result)
     return result
 
 
@@ -353,6 +361,9 @@ def main():
                              "cache, pool, workspace: 64 140 280")
     parser.add_argument("--seconds", type=float, default=None,
                         help="stop each bisection after this long (the record says exact: false)")
+    parser.add_argument("--start", type=int, default=None,
+                        help="where bisections start (batch, ResNet n, DenseNet depth; default: "
+                             "DESIGN.md's anchors)")
     parser.add_argument("--tag", default="", help="suffix of the record's file name")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="host memory save_on_cpu may fill (default: MemTotal; machines "
@@ -369,11 +380,17 @@ def main():
         cap_memory(args.cap_gib)
     for part in args.parts:
         began = time.time()
-        record = PARTS[part](args)
-        write(os.path.join(args.out, f"{part}{args.tag}.json"),
-              {"part": part, "cap_gib": args.cap_gib, "superneurons_budget_gib": args.budget,
-               "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-               "seconds": time.time() - began, "results": record})
+
+        def save(results, complete=False):
+            """Written after every measurement too: a run stopped by its time limit keeps what
+            it measured (complete: false)."""
+            write(os.path.join(args.out, f"{part}{args.tag}.json"),
+                  {"part": part, "cap_gib": args.cap_gib, "superneurons_budget_gib": args.budget,
+                   "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                   "seconds": time.time() - began, "complete": complete, "results": results},
+                  quiet=not complete)
+        args.save = save
+        save(PARTS[part](args), complete=True)
 
 
 if __name__ == "__main__":
