@@ -46,18 +46,35 @@ def largest_batch(folder: str) -> None:
 
 
 def speed(folder: str) -> None:
-    rows = [row for record in _records(folder, "speed") for network in record["results"]
-            for row in record["results"][network] if row.get("images_per_s")]
-    if not rows:
+    """Images/s against batch, one panel per network (Figure 14); later rows replace earlier."""
+    rows = {}
+    for record in _records(folder, "speed"):
+        for network, network_rows in record["results"].items():
+            for row in network_rows:
+                rows[network, row["batch"], row["dtype"], row["system"]] = row
+    networks = sorted({key[0] for key in rows})
+    if not networks:
         return
-    figure, axis = plt.subplots(figsize=(7, 3.5))
-    for system in sorted({r["system"] for r in rows}):
-        for dtype in ("fp32", "bf16"):
-            points = sorted((r["batch"], r["images_per_s"]) for r in rows
-                            if r["system"] == system and r["dtype"] == dtype)
-            if points:
-                axis.plot(*zip(*points), marker="o", label=f"{system} {dtype}")
-    _finish(figure, axis, folder, "speed.png", "batch (ResNet-50, 12 GiB cap)", "images / s")
+    columns = min(4, len(networks))
+    figure, axes = plt.subplots((len(networks) + columns - 1) // columns, columns,
+                                figsize=(3.2 * columns, 2.8 * ((len(networks) - 1) // columns + 1)),
+                                squeeze=False)
+    for axis, network in zip(axes.flat, networks):
+        for system in sorted({key[3] for key in rows}):
+            for dtype, style in (("fp32", "-"), ("bf16", ":")):
+                points = sorted((batch, row["images_per_s"])
+                                for (n, batch, d, s), row in rows.items()
+                                if (n, d, s) == (network, dtype, system) and row["images_per_s"])
+                if points:
+                    axis.plot(*zip(*points), style, marker="o", label=f"{system} {dtype}")
+        axis.set_title(network, fontsize=9)
+        axis.set_xlabel("batch (12 GiB cap)", fontsize=8)
+        axis.set_ylabel("images / s", fontsize=8)
+    for axis in list(axes.flat)[len(networks):]:
+        axis.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, fontsize=7, loc="lower right")
+    _save(figure, folder, "speed.png")
 
 
 def bytes_moved(folder: str) -> None:
@@ -67,9 +84,14 @@ def bytes_moved(folder: str) -> None:
     rows = records[-1]["results"]["resnet50"]
     figure, axis = plt.subplots(figsize=(5, 3.5))
     for label in ("with_cache", "without_cache"):
-        axis.plot([r["batch"] for r in rows],
-                  [r[label].get("offloaded_bytes", 0) / 2**30 for r in rows], marker="o",
-                  label=label.replace("_", " "))
+        # records before CACHE_STEPS hold the first step alone
+        steps = ("first_step", "last_step") if any("last_step" in r[label] for r in rows) \
+            else (None,)
+        for step in steps:
+            points = [(r["batch"], ((r[label].get(step) or {}) if step else r[label])
+                       .get("offloaded_bytes", 0) / 2**30) for r in rows]
+            axis.plot(*zip(*points), marker="o", label=" ".join(
+                [label.replace("_", " "), (step or "first_step").replace("_", " ")]))
     _finish(figure, axis, folder, "cache.png", "batch (ResNet-50)", "GiB offloaded per step",
             legend_size=None)
 
@@ -138,7 +160,7 @@ def deepest(folder: str) -> None:
 
 
 def densenet_memory(folder: str) -> None:
-    records = [r for r in _records(folder, "densenet") if "memory_by_depth" in r["results"]]
+    records = [r for r in _records(folder, "densenet") if r["results"].get("memory_by_depth")]
     if not records:
         return
     rows = records[-1]["results"]["memory_by_depth"]
@@ -152,6 +174,7 @@ def densenet_memory(folder: str) -> None:
                   if row["measured_peak_bytes"].get(name)]
         if points:
             axis.plot(*zip(*points), marker="o", label=f"{name} measured")
+    axis.set_yscale("log")          # plain grows with depth squared, the others linearly
     _finish(figure, axis, folder, "densenet_memory.png",
             "DenseNet-BC depth (k=12, 32 px, batch 64)", "GiB")
 
