@@ -3,9 +3,11 @@
 - capture time of a deep ResNet with and without the capture memo (trace.py Rule 4);
 - within an 11.5 GiB budget, the plan each batch gets: its replays, whole blocks, and the bytes
   the Tensor Cache would move a step, beside the policy's floor's (trim.py);
-- the bytes a plan holds that the pool cannot move (what Inception-v4's largest batch hits).
+- the bytes a plan holds that the pool cannot move (what Inception-v4's largest batch hits);
+- with --densenet alone: the time to capture and plan deep DenseNet-BCs, whose layers all differ
+  so that capture's memo never hits (planner_costs_densenet.json).
 
-    python benchmarks/planner_costs.py [OUT_DIR]
+    python benchmarks/planner_costs.py [--densenet] [OUT_DIR]
 """
 
 import importlib
@@ -64,8 +66,31 @@ def plans_within_budget(name: str, batches: list) -> list:
     return rows
 
 
+def densenet_seconds(depths=(1000, 1372, 2002)) -> list:
+    """Capture and plan (superneurons within the budget) of DenseNet-BC, k=12, 32 px, batch 64."""
+    rows = []
+    for depth in depths:
+        with torch.device("meta"):
+            model = models.densenet(depth, 12, cifar=True)
+        began = time.perf_counter()
+        graph = capture(model, (64, 3, 32, 32))
+        captured = time.perf_counter()
+        sn.planner.plan_graph(graph, Policy.SUPERNEURONS, BUDGET)
+        rows.append({"depth": depth, "layers": len(graph.layers),
+                     "capture_seconds": captured - began,
+                     "plan_seconds": time.perf_counter() - captured})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    arguments = [a for a in sys.argv[1:] if a != "--densenet"]
+    out = arguments[0] if arguments else os.path.join(os.path.dirname(__file__), "results")
+    if "--densenet" in sys.argv:
+        write(os.path.join(out, "planner_costs_densenet.json"),
+              {"budget_bytes": BUDGET, "host_cores": os.cpu_count(),
+               "densenet": densenet_seconds()})
+        return
     record = {"budget_bytes": BUDGET, "capture": capture_seconds()}
     print(record["capture"], flush=True)
     record["resnet50"] = plans_within_budget("resnet50", [140, 280, 450, 500, 600])
