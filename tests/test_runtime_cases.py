@@ -65,7 +65,9 @@ def test_mlp_with_functional_dropout_and_mse():
                          loss_fn=F.mse_loss, policy="superneurons")
 
 
-def test_cpu_autocast_is_replayed_under_autocast():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cpu_autocast_is_replayed_under_autocast(policy):
+    """Planned with autocast's dtypes (capture/autocast.py), run and replayed under autocast."""
     torch.manual_seed(0)
     model, x, y = Traps(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
 
@@ -74,14 +76,20 @@ def test_cpu_autocast_is_replayed_under_autocast():
 
     import copy
     plain, managed = copy.deepcopy(model), copy.deepcopy(model)
-    wrapped = sn.wrap(managed, policy="superneurons")
+    wrapped = sn.wrap(managed, policy=policy)
     for m in (plain, wrapped):
         torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss_fn(m(x), y).backward()
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss_fn(m(x), y).backward()
     for a, b in zip(plain.parameters(), managed.parameters()):
         assert torch.equal(a.grad, b.grad)
-    assert wrapped.stats.recomputed_layers > 0
+    for (name, a), b in zip(plain.state_dict().items(), managed.state_dict().values()):
+        assert torch.equal(a, b), f"{name} differs"
+    if policy != "offload":
+        assert wrapped.stats.recomputed_layers > 0
+    else:
+        assert wrapped.stats.offloaded_bytes > 0
 
 
 def test_eval_and_no_grad_run_untouched():

@@ -8,8 +8,11 @@ Rule 3: each layer is run in isolation on fresh inputs, so that what autograd sa
         and what is written in place is attributed to that layer alone.
 Rule 4: a layer that looks like one already run (memo.py) is not run again: its pattern of
         outputs, in-place writes and saved tensors is reused.
+Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autocast.py), so
+        their outputs and saved tensors have the dtypes and bytes autocast gives them.
 """
 
+import contextlib
 import operator
 
 import torch
@@ -17,6 +20,7 @@ from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
+from .autocast import AutocastOnMeta
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import is_random, kind_of
 from .memo import Pattern, memo_key
@@ -52,8 +56,9 @@ def _layer_name(node: fx.Node, seen: dict) -> str:
     return base if seen[base] == 1 else f"{base}#{seen[base]}"
 
 
-def capture(model: nn.Module, example_input) -> LayerGraph:
-    """The layer graph of ``model`` for inputs shaped like ``example_input``."""
+def capture(model: nn.Module, example_input, autocast=None) -> LayerGraph:
+    """The layer graph of ``model`` for inputs shaped like ``example_input``; ``autocast``:
+    (device type, dtype) of the torch.autocast the step will run under, or None."""
     if isinstance(example_input, (tuple, list)):          # a shape (torch.Size is a tuple)
         if not all(isinstance(d, int) and d > 0 for d in example_input):
             raise ValueError(f"an input shape must be positive integers, got {tuple(example_input)}")
@@ -64,14 +69,15 @@ def capture(model: nn.Module, example_input) -> LayerGraph:
         raise ValueError("example_input must be a tensor (any device, meta included) or a shape "
                          f"tuple such as (32, 3, 224, 224), not {type(example_input).__name__}")
     gm = trace(model)
-    return _Analyzer(gm).run(example)
+    return _Analyzer(gm, autocast).run(example)
 
 
 class _Analyzer:
     """Walks the traced graph once, running each layer on meta tensors (Rules 2 and 3)."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, autocast=None):
         self.gm = gm
+        self.autocast = autocast     # (device type, dtype) or None: autocast.py
         self.values: list = []
         self.storages: list = []
         self.layers: list = []
@@ -213,7 +219,8 @@ class _Analyzer:
             return tensor
 
         try:
-            with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+                    (AutocastOnMeta(*self.autocast) if self.autocast else contextlib.nullcontext()):
                 result = self._call(node, module, args, kwargs)
         except Exception as error:
             raise ValueError(f"layer {name!r} ({node.format_node()}) failed on the meta device: "

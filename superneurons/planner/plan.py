@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ..capture import LayerGraph, capture
 from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
@@ -203,10 +205,15 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
-         strategy="cost-aware") -> Plan:
+         strategy="cost-aware", autocast=None, device_type="cuda") -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
-    ``example_input`` is a tensor on any device (meta included) or a shape tuple.
+    ``example_input`` is a tensor on any device (meta included) or a shape tuple. ``autocast``:
+    the dtype of the torch.autocast the step will run under on ``device_type`` (torch.bfloat16 or
+    torch.float16), or None for none.
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
-    return plan_graph(capture(model, example_input), policy, budget, strategy)
+    if autocast not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not {autocast!r}")
+    state = None if autocast is None else (device_type, autocast)
+    return plan_graph(capture(model, example_input, state), policy, budget, strategy)

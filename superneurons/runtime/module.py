@@ -1,6 +1,7 @@
 """wrap(): a drop-in nn.Module whose training steps run within a memory budget.
 
-Rule 1: the plan is made at the first forward for each input shape and dtype, and reused.
+Rule 1: the plan is made at the first forward for each input shape and dtype, and autocast
+        state, and reused (a step under bf16 autocast holds about half the bytes).
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
         no hook, no copy, no replay (plain PyTorch already frees tensors after last use).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from ..capture import capture
+from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..units import format_bytes, parse_bytes
 from .executor import Executor, foreign_bytes
@@ -32,13 +34,14 @@ class SuperNeuronsModule(nn.Module):
 
     def plan_for(self, x: torch.Tensor):
         """The (cached) plan for inputs like ``x``: (plan, executor or None for plain runs)."""
-        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, self.model.training)
+        autocast = autocast_state(x.device.type)
+        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, self.model.training, autocast)
         if key not in self._executors:
-            self._executors[key] = self._make(x)
+            self._executors[key] = self._make(x, autocast)
         return self._executors[key]
 
-    def _make(self, x: torch.Tensor):
-        graph = capture(self.model, x)
+    def _make(self, x: torch.Tensor, autocast):
+        graph = capture(self.model, x, autocast)
         budget = self.budget_bytes
         if budget is not None and x.device.type == "cuda":
             budget -= foreign_bytes(graph, x)

@@ -1,0 +1,76 @@
+"""Plans for steps under torch.autocast count the dtypes autocast gives (capture/autocast.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+import superneurons as sn
+from superneurons import models
+from superneurons.capture import capture
+from test_runtime_cases import Traps
+
+
+def _real_output_dtypes(model, x) -> dict:
+    """Each leaf module's output dtypes, in call order, in a real forward under CPU autocast."""
+    seen = {}
+    hooks = [m.register_forward_hook(lambda m, i, o: seen.setdefault(m, []).append(o.dtype))
+             for m in model.modules() if not m._modules]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen, out.dtype
+
+
+@pytest.mark.parametrize("build", [Traps, lambda: models.resnet(blocks=(1, 1, 1, 1), num_classes=5),
+                                   lambda: models.densenet(16, 4, cifar=True, num_classes=5)])
+def test_capture_has_the_dtypes_of_a_real_cpu_autocast_step(build):
+    torch.manual_seed(0)
+    model, x = build(), torch.randn(2, 3, 32, 32)
+    if isinstance(model, Traps):
+        x = torch.randn(2, 3, 8, 8)
+    expected, expected_out = _real_output_dtypes(model, x)
+    graph = capture(model, x, ("cpu", torch.bfloat16))
+    got = {}
+    for layer in graph.layers:
+        if layer.module is not None:
+            got.setdefault(layer.module, []).extend(graph.values[v].dtype for v in layer.outputs)
+    named = {name: m for name, m in model.named_modules()}
+    assert {n: got.get(m) for n, m in named.items() if m in expected} == \
+        {n: expected[m] for n, m in named.items() if m in expected}
+    assert graph.values[graph.output_values[0]].dtype == expected_out
+    assert torch.bfloat16 in {v.dtype for v in graph.values}
+
+
+def test_a_bf16_plan_holds_about_half_the_activations():
+    with torch.device("meta"):
+        model = models.build("resnet50")
+    fp32 = sn.plan(model, (32, 3, 224, 224), policy="liveness")
+    bf16 = sn.plan(model, (32, 3, 224, 224), policy="liveness", autocast=torch.bfloat16)
+    activations = [p.peak_bytes - p.resident_bytes for p in (fp32, bf16)]
+    assert 0.4 < activations[1] / activations[0] < 0.65
+
+
+def test_cuda_autocast_keeps_log_softmax_in_float32():
+    """CUDA's lists differ from the CPU's: log_softmax runs in float32 there."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.LogSoftmax(1))
+    cuda = capture(model, (2, 8), ("cuda", torch.bfloat16))
+    cpu = capture(model, (2, 8), ("cpu", torch.bfloat16))
+    assert [cuda.values[v].dtype for v in cuda.output_values] == [torch.float32]
+    assert [cpu.values[v].dtype for v in cpu.output_values] == [torch.bfloat16]
+
+
+def test_wrap_plans_again_when_the_autocast_state_changes():
+    torch.manual_seed(0)
+    wrapped = sn.wrap(Traps(), policy="superneurons")
+    x = torch.randn(4, 3, 8, 8)
+    wrapped(x).sum().backward()
+    fp32 = wrapped.stats.predicted_peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        wrapped(x).float().sum().backward()
+    assert wrapped.stats.predicted_peak_bytes < fp32
+
+
+def test_plan_refuses_an_autocast_that_is_not_a_low_precision_dtype():
+    with pytest.raises(ValueError, match="bfloat16"):
+        sn.plan(nn.Linear(2, 2), (1, 2), autocast="bf16")
