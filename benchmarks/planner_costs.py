@@ -5,9 +5,12 @@
   the Tensor Cache would move a step, beside the policy's floor's (trim.py);
 - the bytes a plan holds that the pool cannot move (what Inception-v4's largest batch hits);
 - with --densenet alone: the time to capture and plan deep DenseNet-BCs, whose layers all differ
-  so that capture's memo never hits (planner_costs_densenet.json).
+  so that capture's memo never hits (planner_costs_densenet.json);
+- with --autocast alone: the liveness peak in fp32 and under bf16 autocast for the bf16 rows of
+  the speed part, against the budget: where it fits, the wrapped model runs untouched
+  (planner_costs_autocast.json).
 
-    python benchmarks/planner_costs.py [--densenet] [OUT_DIR]
+    python benchmarks/planner_costs.py [--densenet | --autocast] [OUT_DIR]
 """
 
 import importlib
@@ -83,13 +86,32 @@ def densenet_seconds(depths=(1000, 1372, 2002)) -> list:
     return rows
 
 
+def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 128),
+                           ("inception_v4", 128), ("densenet201", 56))) -> list:
+    rows = []
+    for name, batch in cases:
+        with torch.device("meta"):
+            model = models.build(name)
+        shape = models.input_shape(name, batch)
+        peaks = {str(dtype): sn.plan(model, shape, policy="liveness", autocast=dtype).peak_bytes
+                 for dtype in (None, torch.bfloat16)}
+        rows.append({"network": name, "batch": batch, "liveness_peak_bytes": peaks,
+                     "bf16_fits_budget": peaks[str(torch.bfloat16)] <= BUDGET})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
-    arguments = [a for a in sys.argv[1:] if a != "--densenet"]
+    arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = arguments[0] if arguments else os.path.join(os.path.dirname(__file__), "results")
     if "--densenet" in sys.argv:
         write(os.path.join(out, "planner_costs_densenet.json"),
               {"budget_bytes": BUDGET, "host_cores": os.cpu_count(),
                "densenet": densenet_seconds()})
+        return
+    if "--autocast" in sys.argv:
+        write(os.path.join(out, "planner_costs_autocast.json"),
+              {"budget_bytes": BUDGET, "autocast": autocast_peaks()})
         return
     record = {"budget_bytes": BUDGET, "capture": capture_seconds()}
     print(record["capture"], flush=True)

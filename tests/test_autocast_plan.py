@@ -10,27 +10,31 @@ from superneurons.capture import capture
 from test_runtime_cases import Traps
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device machine)")
+
+
 def _real_output_dtypes(model, x) -> dict:
-    """Each leaf module's output dtypes, in call order, in a real forward under CPU autocast."""
+    """Each leaf module's output dtypes, in call order, in a real forward under autocast."""
     seen = {}
     hooks = [m.register_forward_hook(lambda m, i, o: seen.setdefault(m, []).append(o.dtype))
              for m in model.modules() if not m._modules]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         out = model(x)
     for hook in hooks:
         hook.remove()
     return seen, out.dtype
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("build", [Traps, lambda: models.resnet(blocks=(1, 1, 1, 1), num_classes=5),
                                    lambda: models.densenet(16, 4, cifar=True, num_classes=5)])
-def test_capture_has_the_dtypes_of_a_real_cpu_autocast_step(build):
+def test_capture_has_the_dtypes_of_a_real_autocast_step(build, device):
     torch.manual_seed(0)
-    model, x = build(), torch.randn(2, 3, 32, 32)
-    if isinstance(model, Traps):
-        x = torch.randn(2, 3, 8, 8)
+    model = build().to(device)
+    x = torch.randn(2, 3, 8, 8) if isinstance(model, Traps) else torch.randn(2, 3, 32, 32)
+    x = x.to(device)
     expected, expected_out = _real_output_dtypes(model, x)
-    graph = capture(model, x, ("cpu", torch.bfloat16))
+    graph = capture(model, x, (device, torch.bfloat16))
     got = {}
     for layer in graph.layers:
         if layer.module is not None:
