@@ -78,3 +78,8 @@ def test_wrap_plans_again_when_the_autocast_state_changes():
 def test_plan_refuses_an_autocast_that_is_not_a_low_precision_dtype():
     with pytest.raises(ValueError, match="bfloat16"):
         sn.plan(nn.Linear(2, 2), (1, 2), autocast="bf16")
+
+
+def test_plan_refuses_a_device_type_whose_autocast_lists_it_does_not_know():
+    with pytest.raises(ValueError, match="cuda and cpu"):
+        sn.plan(nn.Linear(2, 2), (1, 2), autocast=torch.bfloat16, device_type="xla")

@@ -76,7 +76,8 @@ class AutocastOnMeta(TorchFunctionMode):
     def __init__(self, device_type: str, dtype: torch.dtype):
         super().__init__()
         if device_type not in _LOWER:
-            raise ValueError(f"superneurons plans autocast on cuda and cpu, not {device_type!r}")
+            raise ValueError(f"superneurons plans autocast on cuda and cpu, not {device_type!r}: "
+                             "pass device_type='cuda' or 'cpu', or plan without autocast")
         self.dtype = dtype
         self.lower, self.float32 = _LOWER[device_type], _FLOAT32[device_type]
         self.float32_unless_dtype = _FLOAT32_UNLESS_DTYPE[device_type]

@@ -77,7 +77,8 @@ class _Analyzer:
 
     def __init__(self, gm: fx.GraphModule, autocast=None):
         self.gm = gm
-        self.autocast = autocast     # (device type, dtype) or None: autocast.py
+        # (device type, dtype) or None: made here so that a bad one fails before any layer runs
+        self.autocast = AutocastOnMeta(*autocast) if autocast else None
         self.values: list = []
         self.storages: list = []
         self.layers: list = []
@@ -220,7 +221,7 @@ class _Analyzer:
 
         try:
             with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-                    (AutocastOnMeta(*self.autocast) if self.autocast else contextlib.nullcontext()):
+                    (self.autocast or contextlib.nullcontext()):
                 result = self._call(node, module, args, kwargs)
         except Exception as error:
             raise ValueError(f"layer {name!r} ({node.format_node()}) failed on the meta device: "

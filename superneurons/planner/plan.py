@@ -214,6 +214,7 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
     if autocast not in (None, torch.bfloat16, torch.float16):
-        raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not {autocast!r}")
+        raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not "
+                         f"{autocast!r}")
     state = None if autocast is None else (device_type, autocast)
     return plan_graph(capture(model, example_input, state), policy, budget, strategy)
