@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
                         help="print the superneurons plan (with --budget: the plan auto picks)")
     parser.add_argument("--budget", help="also plan within this budget (e.g. 11.5GiB): the "
                                          "policy auto picks, its replays and the bytes it moves")
+    parser.add_argument("--bf16", action="store_true",
+                        help="a step under torch.autocast('cuda', dtype=torch.bfloat16)")
 
 
 def add_model_arguments(parser) -> None:
@@ -41,13 +43,14 @@ def build_meta(args):
 
 def run(args) -> None:
     model, shape = build_meta(args)
-    graph = capture(model, shape)
+    graph = capture(model, shape, ("cuda", torch.bfloat16) if args.bf16 else None)
     plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
     any_plan = plans[Policy.SUPERNEURONS]
     rows = [[str(p), format_bytes(pl.peak_bytes),
              f"{pl.peak_bytes / plans[Policy.BASELINE].peak_bytes:.1%}",
              pl.num_extra_computations] for p, pl in plans.items()]
-    print_table(f"{args.model}, input {shape}: {len(any_plan.order)} layers, resident "
+    print_table(f"{args.model}, input {shape}{', bf16 autocast' if args.bf16 else ''}: "
+                f"{len(any_plan.order)} layers, resident "
                 f"{format_bytes(any_plan.resident_bytes)}, l_peak "
                 f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
                 f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
