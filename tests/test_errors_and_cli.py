@@ -97,6 +97,13 @@ def test_cli_train_summarizes_the_step(capsys):
                  "--device", "cpu", "--budget", "1KB"]) == 2
 
 
+def test_cli_train_runs_under_bf16_autocast(capsys):
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "2",
+                 "--device", "cpu", "--bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 autocast" in out and "final loss" in out
+
+
 @pytest.mark.slow
 def test_cli_train_launches_data_parallel_processes(capfd):
     assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "2", "--steps", "1",

@@ -1,5 +1,6 @@
 """superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -26,6 +27,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cpu", "cuda"])
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--bf16", action="store_true",
+                        help="train under torch.autocast(dtype=torch.bfloat16) with channels_last, "
+                             "the usual way on recent GPUs")
     parser.add_argument("--nproc", type=int, default=1,
                         help="data-parallel processes (torchrun, DistributedDataParallel); "
                              "--batch is per process")
@@ -74,6 +78,14 @@ def run(args) -> None:
     shape = models.input_shape(args.model, args.batch, args.image)
     x = torch.randn(shape, device=device)
     y = torch.randint(0, classes, (args.batch,), device=device)
+    if args.bf16 and x.dim() == 4:
+        model, x = model.to(memory_format=torch.channels_last), \
+            x.to(memory_format=torch.channels_last)
+
+    def autocast():
+        """Under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)."""
+        return (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
+                else contextlib.nullcontext())
     wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
     stats_of = wrapped
     if world > 1:   # each rank plans and budgets its own replica
@@ -81,12 +93,15 @@ def run(args) -> None:
         wrapped = DistributedDataParallel(
             wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    stats_of.plan_for(x)                     # a budget too small fails here, before any step
+    with autocast():
+        stats_of.plan_for(x)                 # a budget too small fails here, before any step
     bar = _progress(args.steps) if rank == 0 else None
     start = time.perf_counter()
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = F.nll_loss(wrapped(x), y)
+        with autocast():
+            out = wrapped(x)
+        loss = F.nll_loss(out.float(), y)
         loss.backward()
         optimizer.step()
         if bar is not None:
@@ -115,6 +130,7 @@ def run(args) -> None:
                 f"{device}",
                 ["what", "value"], [
                     ["policy run", stats.policy],
+                    ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
                     ["images per second (all processes)",
                      f"{world * args.batch * args.steps / elapsed:.1f}"],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
