@@ -1,0 +1,41 @@
+"""The benchmark runner's records: written after every measurement, complete only at the end,
+and on a machine without CUDA the planner-only parts still run (benchmarks/run.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+from common import largest, write  # noqa: E402
+
+
+def test_a_record_is_replaced_whole(tmp_path):
+    path = tmp_path / "part.json"
+    write(str(path), {"results": {"a": 1}}, quiet=True)
+    write(str(path), {"results": {"a": 2}}, quiet=True)
+    assert json.loads(path.read_text())["results"] == {"a": 2}
+    assert os.listdir(tmp_path) == ["part.json"]            # no temporary file left behind
+
+
+def test_every_probe_is_logged_with_its_outcome(capsys):
+    largest(lambda n: n <= 10, 8, tolerance=0.1)
+    out = capsys.readouterr().out
+    assert "  8: fits (" in out and "  16: does not fit (" in out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU path")
+def test_the_densenet_part_plans_on_a_cpu_and_says_it_is_complete(tmp_path):
+    subprocess.run([sys.executable, os.path.join(BENCHMARKS, "run.py"), "densenet", "--depths",
+                    "40", "--out", str(tmp_path), "--tag", "_cpu"], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                       [os.path.join(BENCHMARKS, ".."), os.environ.get("PYTHONPATH", "")])})
+    record = json.loads((tmp_path / "densenet_cpu.json").read_text())
+    assert record["complete"] is True
+    (row,) = record["results"]["memory_by_depth"]
+    assert row["depth"] == 40
+    assert row["predicted_peak_bytes"]["superneurons"] < row["predicted_peak_bytes"]["liveness"]
+    assert record["results"]["deepest"] == {}
