@@ -86,6 +86,7 @@ def run(args) -> None:
         """Under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)."""
         return (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
                 else contextlib.nullcontext())
+
     wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
     stats_of = wrapped
     if world > 1:   # each rank plans and budgets its own replica
