@@ -128,7 +128,18 @@ def _host_memory_gib() -> float:
 
 
 def speed_part(args) -> dict:
-    """Images/s against batch, fp32 and bf16 autocast with channels_last, under the cap."""
+    """Images/s against batch, fp32 and bf16 autocast with channels_last, under the cap. With
+    --isolate each system runs in a child process of its own: cuDNN's benchmark mode keeps its
+    algorithm choices per process and the allocator its cache, so otherwise what one system
+    chose and cached may serve the next (BENCHMARKS.md: VGG16 at 144, not diagnosed)."""
+    if args.isolate:
+        result = {}
+        for name in args.systems:
+            for network, rows in _speed_in_child(args, {}, [name], args.dtypes,
+                                                 batches=None).items():
+                result.setdefault(network, []).extend(rows)
+            args.save(result)
+        return result
     result = {}
     for network in args.networks:
         rows = result[network] = []
@@ -320,13 +331,18 @@ def cache_part(args) -> dict:
     return result
 
 
-def _speed_in_child(args, extra_env: dict, systems: list) -> dict:
-    """The speed part (fp32) in a child process with ``extra_env`` set from its start."""
+def _speed_in_child(args, extra_env: dict, systems: list, dtypes=("fp32",),
+                    batches=DEFAULT_BATCHES) -> dict:
+    """The speed part in a child process with ``extra_env`` set from its start (``batches``
+    None: the speed part's own per network)."""
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
-                   "--tag", "_child", "--dtypes", "fp32", "--cap-gib", str(args.cap_gib),
+                   "--tag", "_child", "--dtypes", *dtypes, "--cap-gib", str(args.cap_gib),
                    "--budget", str(args.budget), "--networks", *args.networks,
-                   "--systems", *systems, "--batches", *map(str, args.batches or DEFAULT_BATCHES)]
+                   "--systems", *systems]
+        batches = args.batches or batches
+        if batches:
+            command += ["--batches", *map(str, batches)]
         subprocess.run(command, env={**os.environ, **extra_env}, check=True)
         with open(os.path.join(folder, "speed_child.json")) as record:
             return json.load(record)["results"]
@@ -380,6 +396,8 @@ def main():
                         help="densenet: depths whose memory is measured (none: skip)")
     parser.add_argument("--no-deepest", dest="deepest", action="store_false",
                         help="densenet: measure memory against depth only")
+    parser.add_argument("--isolate", action="store_true",
+                        help="speed: each system in a process of its own")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = parser.parse_args()
     args.budget = args.budget or args.cap_gib - 0.5

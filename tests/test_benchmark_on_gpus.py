@@ -2,7 +2,6 @@
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from on_gpus import run_all  # noqa: E402

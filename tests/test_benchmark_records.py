@@ -39,3 +39,25 @@ def test_the_densenet_part_plans_on_a_cpu_and_says_it_is_complete(tmp_path):
     assert row["depth"] == 40
     assert row["predicted_peak_bytes"]["superneurons"] < row["predicted_peak_bytes"]["liveness"]
     assert record["results"]["deepest"] == {}
+
+
+def test_isolated_speed_runs_each_system_in_a_child_and_merges_the_rows(monkeypatch):
+    import argparse
+    import run
+    commands, saved = [], []
+
+    def child(command, env, check):
+        commands.append(command)
+        folder = command[command.index("--out") + 1]
+        system = command[command.index("--systems") + 1]
+        with open(os.path.join(folder, "speed_child.json"), "w") as record:
+            json.dump({"results": {"vgg16": [{"batch": 144, "system": system}]}}, record)
+    monkeypatch.setattr(run.subprocess, "run", child)
+    args = argparse.Namespace(isolate=True, systems=["plain", "superneurons"], networks=["vgg16"],
+                              dtypes=["fp32", "bf16"], batches=None, cap_gib=12.0, budget=11.5,
+                              save=saved.append)
+    result = run.speed_part(args)
+    assert [row["system"] for row in result["vgg16"]] == ["plain", "superneurons"]
+    assert len(commands) == 2 and all("--batches" not in c for c in commands)  # the part's own
+    assert commands[0][commands[0].index("--dtypes") + 1:][:2] == ["fp32", "bf16"]
+    assert len(saved) == 2                                   # a record after each system
