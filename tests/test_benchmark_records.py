@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -27,7 +28,7 @@ def test_every_probe_is_logged_with_its_outcome(capsys):
     assert "  8: fits (" in out and "  16: does not fit (" in out
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU path")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (on CUDA it measures)")
 def test_the_densenet_part_plans_on_a_cpu_and_says_it_is_complete(tmp_path):
     subprocess.run([sys.executable, os.path.join(BENCHMARKS, "run.py"), "densenet", "--depths",
                     "40", "--out", str(tmp_path), "--tag", "_cpu"], check=True,
