@@ -62,9 +62,9 @@ def speed(folder: str) -> None:
     for axis, network in zip(axes.flat, networks):
         for system in sorted({key[3] for key in rows}):
             for dtype, style in (("fp32", "-"), ("bf16", ":")):
-                points = sorted((batch, row["images_per_s"])
-                                for (n, batch, d, s), row in rows.items()
-                                if (n, d, s) == (network, dtype, system) and row["images_per_s"])
+                points = sorted((key[1], row["images_per_s"]) for key, row in rows.items()
+                                if (key[0], key[2], key[3]) == (network, dtype, system)
+                                and row["images_per_s"])
                 if points:
                     axis.plot(*zip(*points), style, marker="o", label=f"{system} {dtype}")
         axis.set_title(network, fontsize=9)
@@ -72,8 +72,10 @@ def speed(folder: str) -> None:
         axis.set_ylabel("images / s", fontsize=8)
     for axis in list(axes.flat)[len(networks):]:
         axis.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    figure.legend(handles, labels, fontsize=7, loc="lower right")
+    legend = {}                                  # every panel's lines, each label once
+    for axis in axes.flat:
+        legend.update(zip(*reversed(axis.get_legend_handles_labels())))
+    figure.legend(list(legend.values()), list(legend), fontsize=7, loc="lower right")
     _save(figure, folder, "speed.png")
 
 
