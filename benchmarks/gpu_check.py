@@ -88,9 +88,6 @@ class StepRecorder:
                 output.grad_fn.register_prehook(lambda grads: self._read("backward", label))
         return hook
 
-    def reset(self):
-        self.records, self.calls = [], {}
-
 
 def memory_per_step(name: str, batch: int) -> dict:
     gc.collect()

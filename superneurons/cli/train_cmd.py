@@ -1,6 +1,5 @@
 """superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
 
-import contextlib
 import gc
 import os
 import subprocess
@@ -82,11 +81,6 @@ def run(args) -> None:
         model, x = model.to(memory_format=torch.channels_last), \
             x.to(memory_format=torch.channels_last)
 
-    def autocast():
-        """Under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)."""
-        return (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
-                else contextlib.nullcontext())
-
     wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
     stats_of = wrapped
     if world > 1:   # each rank plans and budgets its own replica
@@ -94,13 +88,15 @@ def run(args) -> None:
         wrapped = DistributedDataParallel(
             wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    with autocast():
+    # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    with autocast:
         stats_of.plan_for(x)                 # a budget too small fails here, before any step
     bar = _progress(args.steps) if rank == 0 else None
     start = time.perf_counter()
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        with autocast():
+        with autocast:
             out = wrapped(x)
         loss = F.nll_loss(out.float(), y)
         loss.backward()

@@ -73,7 +73,7 @@ class TensorPool:
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
         self._waiting = None                     # host entries by next need, rebuilt lazily
-        self.draining: list = []                 # (event, device bytes, footprint) in flight
+        self.draining: deque = deque()           # (event, device bytes, footprint) in flight
         self.granule = _DEVICE_PAGE if self.mover.cuda else 1
 
     def _hold(self, footprint: int, nbytes: int) -> None:
@@ -124,7 +124,7 @@ class TensorPool:
                 if limit is None or self.device_bytes <= limit:
                     return
                 event.synchronize()
-            self.draining.pop(0)
+            self.draining.popleft()
             self._hold(-footprint, -tensor.numel())
 
     def _offload(self, entry: Entry) -> int:
@@ -152,8 +152,7 @@ class TensorPool:
             self.slab.reserve(max(self.host_hint_bytes, nbytes), at_least=nbytes)
         region = self.slab.alloc(nbytes)
         if region is None:
-            in_use = sum(e.nbytes for e in self.entries.values() if e.host is not None)
-            if in_use == 0:
+            if not any(e.host is not None for e in self.entries.values()):
                 self.slab.reserve(max(2 * self.slab.capacity, nbytes, 64 << 20), at_least=nbytes)
             else:   # growing would move live regions: take a separate buffer for this one
                 return host_buffer(nbytes, self.slab.pin)
