@@ -154,7 +154,17 @@ def fits(build, system_name: str, **options) -> bool:
     ok = _try_step(build, system_name, options)
     gc.collect()                          # the failed step's graph and frames hold memory
     torch.cuda.empty_cache()
+    _empty_host_cache()
     return ok
+
+
+def _empty_host_cache() -> None:
+    """Give back the pinned blocks save_on_cpu's probes leave cached: PyTorch keeps them, each
+    rounded up to a power of two, so the next, larger probe would pin beside them."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
 
 
 def _try_step(build, system_name, options) -> bool:
@@ -162,6 +172,10 @@ def _try_step(build, system_name, options) -> bool:
         model, x, y = build()
         wrapped = system(system_name, model, **options)
         optimizer = sgd(model)
+        if system_name == "superneurons":      # the log splits a slow probe: planning, the step
+            began = time.time()
+            wrapped.plan_for(x)
+            print(f"  planned in {time.time() - began:.0f} s", flush=True)
         sgd_step(wrapped, optimizer, x, y)
         torch.cuda.synchronize()
         return True

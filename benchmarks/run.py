@@ -129,16 +129,17 @@ def _host_memory_gib() -> float:
 
 def speed_part(args) -> dict:
     """Images/s against batch, fp32 and bf16 autocast with channels_last, under the cap. With
-    --isolate each system runs in a child process of its own: cuDNN's benchmark mode keeps its
+    --isolate each network and system runs in a child process of its own: cuDNN's benchmark mode keeps its
     algorithm choices per process and the allocator its cache, so otherwise what one system
     chose and cached may serve the next (BENCHMARKS.md: VGG16 at 144, not diagnosed)."""
-    if args.isolate:
+    if args.isolate:      # one child per network and system: a stopped run keeps the others
         result = {}
-        for name in args.systems:
-            for network, rows in _speed_in_child(args, {}, [name], args.dtypes,
-                                                 batches=None).items():
-                result.setdefault(network, []).extend(rows)
-            args.save(result)
+        for network in args.networks:
+            for name in args.systems:
+                rows = _speed_in_child(args, {}, [name], args.dtypes, batches=None,
+                                       networks=[network])
+                result.setdefault(network, []).extend(rows.get(network, []))
+                args.save(result)
         return result
     result = {}
     for network in args.networks:
@@ -332,13 +333,13 @@ def cache_part(args) -> dict:
 
 
 def _speed_in_child(args, extra_env: dict, systems: list, dtypes=("fp32",),
-                    batches=DEFAULT_BATCHES) -> dict:
+                    batches=DEFAULT_BATCHES, networks=None) -> dict:
     """The speed part in a child process with ``extra_env`` set from its start (``batches``
-    None: the speed part's own per network)."""
+    None: the speed part's own per network; ``networks`` None: all of --networks)."""
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, os.path.abspath(__file__), "speed", "--out", folder,
                    "--tag", "_child", "--dtypes", *dtypes, "--cap-gib", str(args.cap_gib),
-                   "--budget", str(args.budget), "--networks", *args.networks,
+                   "--budget", str(args.budget), "--networks", *(networks or args.networks),
                    "--systems", *systems]
         batches = args.batches or batches
         if batches:

@@ -42,7 +42,7 @@ def test_the_densenet_part_plans_on_a_cpu_and_says_it_is_complete(tmp_path):
     assert record["results"]["deepest"] == {}
 
 
-def test_isolated_speed_runs_each_system_in_a_child_and_merges_the_rows(monkeypatch):
+def test_isolated_speed_runs_each_network_and_system_in_a_child_and_merges_the_rows(monkeypatch):
     import argparse
     import run
     commands, saved = [], []
@@ -51,14 +51,16 @@ def test_isolated_speed_runs_each_system_in_a_child_and_merges_the_rows(monkeypa
         commands.append(command)
         folder = command[command.index("--out") + 1]
         system = command[command.index("--systems") + 1]
+        (network,) = command[command.index("--networks") + 1:command.index("--systems")]
         with open(os.path.join(folder, "speed_child.json"), "w") as record:
-            json.dump({"results": {"vgg16": [{"batch": 144, "system": system}]}}, record)
+            json.dump({"results": {network: [{"batch": 144, "system": system}]}}, record)
     monkeypatch.setattr(run.subprocess, "run", child)
-    args = argparse.Namespace(isolate=True, systems=["plain", "superneurons"], networks=["vgg16"],
-                              dtypes=["fp32", "bf16"], batches=None, cap_gib=12.0, budget=11.5,
-                              save=saved.append)
+    args = argparse.Namespace(isolate=True, systems=["plain", "superneurons"],
+                              networks=["vgg16", "alexnet"], dtypes=["fp32", "bf16"],
+                              batches=None, cap_gib=12.0, budget=11.5, save=saved.append)
     result = run.speed_part(args)
     assert [row["system"] for row in result["vgg16"]] == ["plain", "superneurons"]
-    assert len(commands) == 2 and all("--batches" not in c for c in commands)  # the part's own
+    assert [row["system"] for row in result["alexnet"]] == ["plain", "superneurons"]
+    assert len(commands) == 4 and all("--batches" not in c for c in commands)  # the part's own
     assert commands[0][commands[0].index("--dtypes") + 1:][:2] == ["fp32", "bf16"]
-    assert len(saved) == 2                                   # a record after each system
+    assert len(saved) == 4                       # a record after each network and system
