@@ -325,7 +325,8 @@ def cache_part(args) -> dict:
                 except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
                     row[label] = {"error": str(error).splitlines()[0][:200]}
                 del model, x, y, wrapped, optimizer
-                torch.cuda.empty_cache()
+                gc.collect()         # else the last case's pool is still held at the next plan,
+                torch.cuda.empty_cache()  # which then plans for less (foreign bytes)
             rows.append(row)
             print(network, row, flush=True)
             args.save(result)
