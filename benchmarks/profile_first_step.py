@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
 from common import cap_memory, sgd, sgd_step, write  # noqa: E402
+from profile_step import ALLOCATOR  # noqa: E402
 
 
 def profile_config(config: str, cap_gib: float = 12.0) -> dict:
@@ -36,6 +37,7 @@ def profile_config(config: str, cap_gib: float = 12.0) -> dict:
     plan, _ = wrapped.plan_for(x)
     row = {"config": config, "layers": len(plan.order), "plan_s": time.perf_counter() - began,
            "predicted_peak_bytes": plan.peak_bytes}
+    before = torch.cuda.memory_stats()
     profiler = cProfile.Profile()
     began = time.perf_counter()
     profiler.enable()
@@ -44,6 +46,8 @@ def profile_config(config: str, cap_gib: float = 12.0) -> dict:
     profiler.disable()
     row["first_step_s"] = time.perf_counter() - began
     row["stats"] = wrapped.stats.as_dict()
+    after = torch.cuda.memory_stats()
+    row["allocator"] = {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR}
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(25)
