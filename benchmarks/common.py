@@ -46,12 +46,15 @@ def write(path: str, record: dict, quiet: bool = False) -> None:
 
 
 class CheckpointBlocks(nn.Module):
-    """torch.utils.checkpoint around every block (children of Sequentials, ResNet stages)."""
+    """torch.utils.checkpoint around every block (children of Sequentials, ResNet stages); in a
+    network without blocks (AlexNet, VGG: one Sequential of layers) around every convolution or
+    fully connected layer with the layers after it up to the next one."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = model
-        for stage in _block_containers(model):
+        stages = _block_containers(model)
+        self.model = model if stages else _layer_groups(model)
+        for stage in stages:
             for index, block in enumerate(stage):
                 stage[index] = _Checkpointed(block)
 
@@ -68,6 +71,21 @@ class _Checkpointed(nn.Module):
         # a DenseNet layer gets the growing list of features: checkpoint a copy of it
         args = [list(a) if isinstance(a, list) else a for a in args]
         return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def _layer_groups(model: nn.Module) -> nn.Module:
+    """A Sequential of layers as a Sequential of checkpointed groups, each a CONV or FC layer and
+    what follows it (a group never starts with an in-place ReLU, which would write into the
+    input the checkpoint keeps); any other model as it is."""
+    if not isinstance(model, nn.Sequential) or any(len(layer._modules) for layer in model):
+        return model
+    groups = []
+    for layer in model:
+        if not groups or (isinstance(layer, (nn.Conv2d, nn.Linear)) and any(
+                isinstance(earlier, (nn.Conv2d, nn.Linear)) for earlier in groups[-1])):
+            groups.append([])
+        groups[-1].append(layer)
+    return nn.Sequential(*(_Checkpointed(nn.Sequential(*group)) for group in groups))
 
 
 def _block_containers(model):

@@ -1,7 +1,5 @@
 """Budgets: errors before the step, the untouched fast path, auto, and the pool's LRU."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,8 +8,7 @@ import superneurons as sn
 from superneurons.capture import Kind
 from superneurons import models
 from superneurons.runtime.pool import State, TensorPool
-from equality import assert_same_training, train
-from superneurons.planner.trim import replay_work
+from equality import assert_same_training
 
 
 def small_resnet():
@@ -347,46 +344,3 @@ def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monke
     monkeypatch.setattr(executor, "allocated_bytes", lambda device: 64 + 1000)
     assert executor.allocator_counts(x)
     assert executor.allocator_counts(torch.empty(0))          # nothing to tell by: trust it
-
-
-@pytest.mark.parametrize("share, replans", [(0.75, True), (0.1, False)])
-def test_a_step_still_moving_after_calibration_is_planned_again_once(share, replans):
-    """module Rule 5, on the CPU by hand: the excess CUDA's calibration would measure is set
-    after the first step, as is a move in that step; the rest trains exactly as plain PyTorch.
-    Where the budget less that excess leaves only plans that move data (share 0.1), the
-    current plan stays."""
-    x = torch.randn(8, 3, 64, 64)
-    y = torch.randint(0, 10, (8,))
-    model = small_resnet()
-    low, high = (sn.plan(model, x, policy=p).peak_bytes for p in ("superneurons", "liveness"))
-    budget, replanned_budget = int(low + 0.98 * (high - low)), int(low + share * (high - low))
-    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
-    expected = train(plain, x, y, steps=4)
-    wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
-    optimizer = torch.optim.SGD(managed.parameters(), lr=0.01, momentum=0.9)
-    torch.manual_seed(1)
-    got, plans = [], []
-    for step in range(4):
-        if step == 1:                        # what calibration on CUDA would have found
-            _, executor = wrapped.plan_for(x)
-            executor.calibration_left, executor.pool.offloaded_bytes = 0, 1
-            executor.seen_excess = budget - replanned_budget - budget // 50
-        if step == 3:                        # moving again: still no second replan
-            wrapped.plan_for(x)[1].pool.offloaded_bytes = 1
-        optimizer.zero_grad()
-        loss = F.nll_loss(wrapped(x), y)
-        loss.backward()
-        optimizer.step()
-        got.append(loss.detach())
-        plans.append(wrapped.plan_for(x))
-    assert torch.equal(torch.stack(expected), torch.stack(got))
-    for (name, a), b in zip(plain.state_dict().items(), managed.state_dict().values()):
-        assert torch.equal(a, b), f"{name} differs"
-    if not replans:
-        assert all(p[0] is plans[0][0] and p[1] is plans[0][1] for p in plans)
-        return
-    first, again = plans[0][0], plans[1][0]
-    assert replay_work(again) == replay_work(sn.plan(model, x, "superneurons", replanned_budget))
-    assert replay_work(again) > replay_work(first)
-    assert plans[1][1].excess_bytes == budget - replanned_budget       # no first-step margin
-    assert plans[3][1] is plans[1][1]                                  # replanned once

@@ -98,8 +98,7 @@ def _never(_):
 
 
 class Executor:
-    def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
-                 excess_bytes: int | None = None):
+    def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows
@@ -107,10 +106,9 @@ class Executor:
         self.foreign_bytes = 0
         # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan
         # (measured 1.02-1.42x, BENCHMARKS.md); the pool leaves room for the largest excess seen
-        # while calibrating, plus 2% of the budget;
-        # FIRST_STEP_MARGIN of the plan before it has seen one (Rule 4), unless it is given the
-        # excess another executor calibrated for the same step.
-        self.excess_bytes, self.seen_excess = excess_bytes, None
+        # while calibrating, plus 2% of the budget (workspaces come and go between readings);
+        # FIRST_STEP_MARGIN of the plan before it has seen one (Rule 4).
+        self.excess_bytes = self.seen_excess = None
         self.calibration_left = CALIBRATION_STEPS
         self.calibrating = False
         self.reads_allocator = None          # known at the first step (allocator_counts)
@@ -195,18 +193,6 @@ class Executor:
             ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.exact_device_bytes
             self.seen_excess = max(self.seen_excess or 0, ours - self.unmanaged[step])
 
-    @property
-    def calibrated_excess(self) -> int | None:
-        """The excess later steps leave room for, once calibration has ended (Rule 4)."""
-        if self.calibration_left or self.seen_excess is None:
-            return None
-        return self._excess_with_spare()
-
-    def _excess_with_spare(self) -> int:
-        """The largest excess seen, plus 2% of the budget: workspaces come and go between
-        readings."""
-        return self.seen_excess + self.budget_bytes // 50
-
     def bwd(self, layer_index: int) -> int:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
 
@@ -221,7 +207,7 @@ class Executor:
         if self.device.type == "cuda" and self.reads_allocator:
             self.foreign_bytes = foreign_bytes(self.graph, args[0], self.parameters)
             if self.seen_excess is not None:
-                self.excess_bytes = self._excess_with_spare()
+                self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
             self.calibration_left = max(0, self.calibration_left - 1)
         env = dict(zip(self.placeholders, args))

@@ -7,11 +7,6 @@ Rule 2: when the budget holds the whole step with liveness alone, the model runs
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work.
 Rule 4: no grad (evaluation) runs the model untouched.
-Rule 5: once a step's calibration (executor Rule 4) knows what real use adds to the plan, a plan
-        whose steps still move data is made once more, for the budget less that excess: the
-        planner chose its replays to fit with nothing moved as if the plan's bytes were all
-        (ResNet-50 at batch 280 under bf16 autocast replayed 25 layers and moved 1.4 GB a step,
-        benchmarks/results/speed_bf16_autocast.json). One replan per input: never a loop.
 """
 
 import torch
@@ -35,7 +30,6 @@ class SuperNeuronsModule(nn.Module):
         self.strategy = parse_strategy(strategy)
         self.budget_bytes = parse_bytes(budget)
         self._executors: dict = {}
-        self._replanned: set = set()      # keys planned again (Rule 5)
         self._last = None
 
     def plan_for(self, x: torch.Tensor):
@@ -44,9 +38,6 @@ class SuperNeuronsModule(nn.Module):
         key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, self.model.training, autocast)
         if key not in self._executors:
             self._executors[key] = self._make(x, autocast)
-        elif key not in self._replanned and self._moves_after_calibrating(*self._executors[key]):
-            self._replanned.add(key)                                     # Rule 5
-            self._executors[key] = self._replan(*self._executors[key])
         return self._executors[key]
 
     def _make(self, x: torch.Tensor, autocast):
@@ -65,28 +56,6 @@ class SuperNeuronsModule(nn.Module):
         if self.budget_bytes is None:
             return plan, Executor(plan, x.device, plan.peak_bytes, count_foreign=False)
         return plan, Executor(plan, x.device, self.budget_bytes)
-
-    def _moves_after_calibrating(self, plan, executor) -> bool:
-        """Whether the last step, with the calibrated excess known, moved data (Rule 5)."""
-        return (executor is not None and self.budget_bytes is not None and plan.policy.recomputes
-                and executor.calibrated_excess is not None and executor.pool.offloaded_bytes > 0)
-
-    def _replan(self, plan, executor):
-        """The plan for the budget less the calibrated excess, with an executor that starts from
-        that excess; the current ones unless that plan fits it with nothing moved. (One that
-        must move anyway may move far more: ResNet-50 at batch 450 went from replaying whole
-        blocks and moving 1.35 GB a step to 22.5, benchmarks/results/cache_replan.json.)"""
-        excess = executor.calibrated_excess
-        budget = self.budget_bytes - executor.foreign_bytes - excess
-        try:
-            better = plan_graph(plan.graph, self.policy, budget, self.strategy)
-        except ValueError:                 # nothing fits that: the cache moves what it must
-            return plan, executor
-        if (better.policy is plan.policy and better.segments == plan.segments) or \
-                better.bytes_to_move(budget) > 0:
-            return plan, executor
-        executor.release()
-        return better, Executor(better, executor.device, self.budget_bytes, excess_bytes=excess)
 
     def forward(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor):
