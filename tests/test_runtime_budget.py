@@ -311,27 +311,39 @@ def test_device_entries_count_whole_allocator_pages():
     assert pool.device_bytes == 4 << 20 and pool.exact_device_bytes == 2000
 
 
-def test_the_host_slab_falls_back_when_memory_cannot_be_pinned(monkeypatch):
-    """A system that will not page-lock the planned bytes gets a smaller pinned slab, and
-    pageable memory when it pins nothing: slower copies, not a failed step."""
+def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):
+    """host.py Rules 1-3: chunks are pinned as regions need them, each a power of two that
+    doubles what is pinned; a system that will not pin a chunk gets a smaller one, then pageable
+    memory: slower copies, not a failed step."""
     from superneurons.runtime import host
     real_empty = torch.empty
+    pinned = []
 
     def pin_at_most(limit):
         def empty(*args, pin_memory=False, **kwargs):
-            if pin_memory and args[0] > limit:
-                raise RuntimeError("CUDA error: out of memory")
+            if pin_memory:
+                if args[0] > limit:
+                    raise RuntimeError("CUDA error: out of memory")
+                pinned.append(args[0])
             return real_empty(*args, **kwargs)      # pinned or not: the same on the CPU
         return empty
+    monkeypatch.setattr(host.torch, "empty", pin_at_most(1 << 20))
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    regions = [memory.alloc(1000) for _ in range(4)]       # 1024 bytes each with alignment
+    assert pinned == [4096] and memory.capacity == 4096     # one chunk held all four
+    regions.append(memory.alloc(1000))
+    assert pinned == [4096, 4096]                           # doubled what is pinned
+    memory.release(regions.pop(0))
+    regions.append(memory.alloc(1000))                      # the released region, reused
+    assert memory.capacity == 8192
+    memory.alloc(5000)
+    assert pinned[-1] == 8192                               # at least the region, a power of two
     monkeypatch.setattr(host.torch, "empty", pin_at_most(3000))
-    slab = host.HostSlab(pin=True)
-    slab.reserve(10_000, at_least=1000)            # a power of two, as PyTorch pins: 16384
-    assert slab.capacity == 2048                   # halved until it could be pinned
+    memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
+    assert memory.alloc(1000).numel() == 1000 and memory.capacity == 2048   # halved until pinned
     monkeypatch.setattr(host.torch, "empty", pin_at_most(0))
-    slab = host.HostSlab(pin=True)
-    slab.reserve(10_000, at_least=1000)
-    assert slab.capacity == 10_000                 # nothing pinned: all pageable
-    assert host.host_buffer(500, pin=True).numel() == 500
+    memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
+    assert memory.alloc(1000).numel() == 1000 and not memory.pin   # pageable from now on
 
 
 def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monkeypatch):

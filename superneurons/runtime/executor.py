@@ -127,8 +127,7 @@ class Executor:
         self.unmanaged = plan.unmanaged_per_step()
         self.unmanaged_max = _RangeMax(self.unmanaged)
         this = weakref.ref(self)       # the pool must not keep its executor alive
-        self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),
-                               host_hint_bytes=plan.offloaded_bytes)
+        self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until))
         self.step_id = 0
         self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}

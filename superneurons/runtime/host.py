@@ -1,92 +1,57 @@
-"""A reusable host slab: one (pinned) allocation, carved into regions for offloaded tensors.
+"""Host memory for offloaded tensors: pinned chunks, taken as offloads need them, carved into
+regions first-fit and returned for reuse.
 
-Pinned allocation synchronizes the device and is slow, so it happens once per plan (and again
-only if the slab must grow); regions are handed out first-fit and returned for reuse. A region
-whose host-to-device copy may still be running is reused only once that copy has finished.
-Where the system will not pin that much (the slab for Inception-v4's offloads at batch 400, which
-PyTorch rounds up to a power of two, failed on a 128 GiB machine: benchmarks/results/
-diagnose_inception_v4_1_before.json), the slab is smaller and the rest comes from separate buffers,
-pageable as a last resort: slower copies rather than a failed step.
+Rule 1: memory is pinned when an offload needs it, never for all a plan could offload. Pinning
+        takes host time in proportion to its bytes and synchronizes the device: a slab pinned up
+        front for all a plan could offload (64 GiB for DenseNet-BC 1204 at a 5 GiB budget, 16 GiB
+        at 11.5) made `torch.empty` take 41.5 and 8.5 s of those first steps' host time
+        (benchmarks/results/profile_first_step.json), and past the host's memory (DenseNet-BC
+        2902 could offload 270 GiB on a 251 GiB machine) the step never finished. Each new chunk
+        doubles what is pinned, up to MAX_CHUNK_BYTES a chunk.
+Rule 2: PyTorch's pinned allocator rounds every request up to a power of two, so chunks are
+        powers of two: all that is page-locked is used.
+Rule 3: where the system will not pin a chunk, a smaller one is tried, down to the region's own
+        size; then pageable memory, and no more pinning: slower copies rather than a failed step
+        (Inception-v4's offloads at batch 400 could not all be pinned on a 128 GiB machine:
+        benchmarks/results/diagnose_inception_v4_1_before.json).
+Rule 4: a region whose host-to-device copy may still be running is reused only once that copy
+        has finished.
 """
 
 import torch
 
 _ALIGN = 512
+FIRST_CHUNK_BYTES = 256 << 20
+MAX_CHUNK_BYTES = 8 << 30
 
 
-def host_buffer(num_bytes: int, pin: bool) -> torch.Tensor:
-    """A host buffer, pinned if the system allows it, else pageable."""
-    if pin:
-        try:
-            return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:
-            pass
-    return torch.empty(num_bytes, dtype=torch.uint8)
+class _Chunk:
+    __slots__ = ("buffer", "free", "deferred")
 
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.free = [(0, buffer.numel())]    # (offset, size), sorted by offset
+        self.deferred = []                   # (offset, size, event): free once event completes
 
-class HostSlab:
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self.buffer = torch.empty(0, dtype=torch.uint8)
-        self.free: list = []            # [(offset, size)], sorted by offset
-        self.deferred: list = []        # [(offset, size, event)]: reusable once event completes
-
-    @property
-    def capacity(self) -> int:
-        return self.buffer.numel()
-
-    def reserve(self, num_bytes: int, at_least: int = 0) -> None:
-        """Make the slab ``num_bytes`` large, or as large as the system will pin down to
-        ``at_least``; only valid while no region is in use."""
-        if num_bytes <= self.capacity:
-            return
-        # PyTorch's pinned allocator rounds every request up to a power of two: ask for one,
-        # and the slab uses all that is page-locked (40 GiB asked would pin 64 anyway)
-        size = 1 << (num_bytes - 1).bit_length() if self.pin else num_bytes
-        while True:
-            try:
-                self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-                break
-            except RuntimeError:                     # page-locking refused
-                size //= 2
-                if size < max(at_least, 1):          # none pinned: all pageable
-                    self.buffer = torch.empty(num_bytes, dtype=torch.uint8)
-                    break
-        self.free, self.deferred = [(0, self.buffer.numel())], []
-
-    def alloc(self, num_bytes: int) -> torch.Tensor | None:
-        size = -(-num_bytes // _ALIGN) * _ALIGN
-        for attempt in range(2):
-            for index, (offset, free_size) in enumerate(self.free):
-                if free_size >= size:
-                    if free_size == size:
-                        del self.free[index]
-                    else:
-                        self.free[index] = (offset + size, free_size - size)
-                    return self.buffer[offset:offset + num_bytes]
-            if attempt == 0 and not self._reclaim(wait=True):
-                break
+    def carve(self, size: int, num_bytes: int) -> torch.Tensor | None:
+        for index, (offset, free_size) in enumerate(self.free):
+            if free_size >= size:
+                if free_size == size:
+                    del self.free[index]
+                else:
+                    self.free[index] = (offset + size, free_size - size)
+                return self.buffer[offset:offset + num_bytes]
         return None
 
-    def release(self, region: torch.Tensor, event=None) -> None:
-        offset = region.storage_offset()
-        size = -(-region.numel() // _ALIGN) * _ALIGN
-        if event is not None and not event.query():
-            self.deferred.append((offset, size, event))
-        else:
-            self._insert(offset, size)
+    def reclaim(self) -> bool:
+        """Rule 4: wait for the deferred regions' copies and free them; whether there were any."""
+        deferred, self.deferred = self.deferred, []
+        for offset, size, event in deferred:
+            event.synchronize()
+            self.insert(offset, size)
+        return bool(deferred)
 
-    def _reclaim(self, wait: bool) -> bool:
-        if not self.deferred:
-            return False
-        for offset, size, event in self.deferred:
-            if wait:
-                event.synchronize()
-            self._insert(offset, size)
-        self.deferred = []
-        return True
-
-    def _insert(self, offset: int, size: int) -> None:
+    def insert(self, offset: int, size: int) -> None:
         self.free.append((offset, size))
         self.free.sort()
         merged = []
@@ -96,3 +61,52 @@ class HostSlab:
             else:
                 merged.append((start, length))
         self.free = merged
+
+
+class HostMemory:
+    def __init__(self, pin: bool, first_chunk_bytes: int = FIRST_CHUNK_BYTES):
+        self.pin = pin
+        self.first_chunk_bytes = first_chunk_bytes
+        self.chunks: dict = {}               # data_ptr of a chunk's storage -> _Chunk
+
+    @property
+    def capacity(self) -> int:
+        return sum(chunk.buffer.numel() for chunk in self.chunks.values())
+
+    def alloc(self, num_bytes: int) -> torch.Tensor:
+        """A region of ``num_bytes``, from a new chunk if no chunk has room (Rule 1)."""
+        size = -(-num_bytes // _ALIGN) * _ALIGN
+        for attempt in range(2):
+            for chunk in self.chunks.values():
+                region = chunk.carve(size, num_bytes)
+                if region is not None:
+                    return region
+            if attempt == 0 and not any([c.reclaim() for c in self.chunks.values()]):
+                break
+        return self._grow(size).carve(size, num_bytes)
+
+    def release(self, region: torch.Tensor, event=None) -> None:
+        chunk = self.chunks[region.untyped_storage().data_ptr()]
+        offset = region.storage_offset()
+        size = -(-region.numel() // _ALIGN) * _ALIGN
+        if event is not None and not event.query():
+            chunk.deferred.append((offset, size, event))
+        else:
+            chunk.insert(offset, size)
+
+    def _grow(self, size: int) -> _Chunk:
+        want = max(min(max(self.capacity, self.first_chunk_bytes), MAX_CHUNK_BYTES), size)
+        want = 1 << (want - 1).bit_length()                                  # Rule 2
+        buffer = None
+        while self.pin and want >= size:
+            try:
+                buffer = torch.empty(want, dtype=torch.uint8, pin_memory=True)
+                break
+            except RuntimeError:                                             # Rule 3
+                want //= 2
+        if buffer is None:
+            self.pin = False
+            buffer = torch.empty(max(want, size), dtype=torch.uint8)
+        chunk = _Chunk(buffer)
+        self.chunks[buffer.untyped_storage().data_ptr()] = chunk
+        return chunk

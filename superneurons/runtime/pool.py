@@ -26,7 +26,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .host import HostSlab, host_buffer
+from .host import HostMemory
 from .mover import Mover
 
 _DEVICE_PAGE = 2 << 20                       # the CUDA caching allocator's page (Rule 5)
@@ -60,10 +60,9 @@ class Entry:
 
 
 class TensorPool:
-    def __init__(self, device: torch.device, allowance, host_hint_bytes: int = 0):
-        self.host_hint_bytes = host_hint_bytes   # the most the plan may offload at once
+    def __init__(self, device: torch.device, allowance):
         self.mover = Mover(device)
-        self.slab = HostSlab(pin=self.mover.cuda)
+        self.host_memory = HostMemory(pin=self.mover.cuda)
         self.allowance = allowance               # step -> bytes the pool may hold on the device
         self.entries: dict = {}                  # key -> Entry
         self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
@@ -130,7 +129,7 @@ class TensorPool:
     def _offload(self, entry: Entry) -> int:
         """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
         if entry.host is None:
-            entry.host = self._host_region(entry.nbytes)
+            entry.host = self.host_memory.alloc(entry.nbytes)
             entry.event = self.mover.to_host(entry.device, entry.host)
             self.offloaded_bytes += entry.nbytes
         else:   # the host copy is still valid: saved tensors are not written after saving
@@ -146,18 +145,6 @@ class TensorPool:
         entry.device = None
         entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
         return in_flight
-
-    def _host_region(self, nbytes: int) -> torch.Tensor:
-        if self.slab.capacity == 0:              # pinned once, at the first offload
-            self.slab.reserve(max(self.host_hint_bytes, nbytes), at_least=nbytes)
-        region = self.slab.alloc(nbytes)
-        if region is None:
-            if not any(e.host is not None for e in self.entries.values()):
-                self.slab.reserve(max(2 * self.slab.capacity, nbytes, 64 << 20), at_least=nbytes)
-            else:   # growing would move live regions: take a separate buffer for this one
-                return host_buffer(nbytes, self.slab.pin)
-            region = self.slab.alloc(nbytes)
-        return region
 
     # -- backward ------------------------------------------------------------------------------
     def fetch(self, entry: Entry, step: int) -> torch.Tensor:
@@ -217,9 +204,8 @@ class TensorPool:
         if entry.device is not None:
             self._hold(-entry.footprint, -entry.nbytes)
         self.lru.pop(entry.key, None)
-        if entry.host is not None and entry.host.untyped_storage().data_ptr() == \
-                self.slab.buffer.untyped_storage().data_ptr():
-            self.slab.release(entry.host, entry.event)
+        if entry.host is not None:
+            self.host_memory.release(entry.host, entry.event)
         entry.device = entry.host = None
 
     def clear(self) -> None:
