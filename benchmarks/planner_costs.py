@@ -6,11 +6,13 @@
 - the bytes a plan holds that the pool cannot move (what Inception-v4's largest batch hits);
 - with --densenet alone: the time to capture and plan deep DenseNet-BCs, whose layers all differ
   so that capture's memo never hits (planner_costs_densenet.json);
+- with --densenet-host alone: what the superneurons floor of DenseNet-BC sends to the host per
+  step, by the kind of layer that made it (planner_costs_densenet_host.json);
 - with --autocast alone: the liveness peak in fp32 and under bf16 autocast for the bf16 rows of
   the speed part, against the budget: where it fits, the wrapped model runs untouched
   (planner_costs_autocast.json).
 
-    python benchmarks/planner_costs.py [--densenet | --autocast] [OUT_DIR]
+    python benchmarks/planner_costs.py [--densenet | --densenet-host | --autocast] [OUT_DIR]
 """
 
 import importlib
@@ -86,6 +88,27 @@ def densenet_seconds(depths=(1000, 1372, 2002)) -> list:
     return rows
 
 
+def densenet_host_bytes(depths=(100, 250, 400, 1000, 2200, 2902)) -> list:
+    """The superneurons floor of DenseNet-BC (k=12, 32 px, batch 64): its device peak and the
+    bytes it offloads, by the kind of the layer that made them."""
+    rows = []
+    for depth in depths:
+        with torch.device("meta"):
+            model = models.densenet(depth, 12, cifar=True)
+        floor = sn.plan(model, (64, 3, 32, 32), policy="superneurons")
+        graph, by_kind = floor.graph, {}
+        for buffer in floor.buffers:
+            if buffer.managed:
+                creator = graph.storages[buffer.storage].creator
+                kind = "input" if creator is None else str(graph.layers[creator].kind)
+                by_kind[kind] = by_kind.get(kind, 0) + buffer.nbytes
+        rows.append({"depth": depth, "floor_peak_bytes": floor.peak_bytes,
+                     "offloaded_bytes": floor.offloaded_bytes,
+                     "offloaded_bytes_by_producer_kind": by_kind})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 128),
                            ("inception_v4", 128), ("densenet201", 56))) -> list:
     rows = []
@@ -108,6 +131,10 @@ def main():
         write(os.path.join(out, "planner_costs_densenet.json"),
               {"budget_bytes": BUDGET, "host_cores": os.cpu_count(),
                "densenet": densenet_seconds()})
+        return
+    if "--densenet-host" in sys.argv:
+        write(os.path.join(out, "planner_costs_densenet_host.json"),
+              {"densenet": densenet_host_bytes()})
         return
     if "--autocast" in sys.argv:
         write(os.path.join(out, "planner_costs_autocast.json"),
