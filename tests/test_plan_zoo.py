@@ -157,3 +157,30 @@ def test_bytes_to_move_counts_each_rise_above_the_budget():
     moved = bytes_to_move(keep, tight)
     assert moved >= keep.peak_bytes - 0.97 * tight          # at least the worst step's excess
     assert moved <= sum(s.live_bytes for s in keep.steps)
+
+
+def _floor(graph, rule_7: bool):
+    """The superneurons floor with every value policy Rule 7 would store stored, or none."""
+    from superneurons.planner.costs import layer_costs
+    from superneurons.planner.plan import _build
+    from superneurons.planner.policy import find_segments
+    from superneurons.planner.route import route
+    from superneurons.planner.timeline import build_timeline
+    order = route(graph)
+    costs = layer_costs(graph)
+    return _build(graph, order, build_timeline(graph, order), costs, Policy.SUPERNEURONS,
+                  Strategy.COST_AWARE, None,
+                  find_segments(graph, order, Strategy.COST_AWARE, costs, offloads=rule_7))
+
+
+def test_rule_7_stores_values_only_where_that_lowers_the_peak():
+    """ResNet-50's stored block outputs lower its floor; DenseNet's stored concatenations do not,
+    and would only send more to the host."""
+    resnet = capture(meta_model("resnet50"), input_shape("resnet50", 8))
+    chosen, stored = plan_graph(resnet, "superneurons"), _floor(resnet, rule_7=True)
+    assert chosen.segments == stored.segments
+    assert chosen.peak_bytes < _floor(resnet, rule_7=False).peak_bytes
+    densenet = capture(meta_model("densenet_cifar", depth=100), (2, 3, 32, 32))
+    chosen, stored = plan_graph(densenet, "superneurons"), _floor(densenet, rule_7=True)
+    assert chosen.peak_bytes == stored.peak_bytes
+    assert chosen.offloaded_bytes < stored.offloaded_bytes / 2

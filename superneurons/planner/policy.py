@@ -15,7 +15,10 @@ Rule 7: a value that a layer outside its segment saves is replayed at that layer
         smaller than what the replay holds (the segment's inputs and what it makes), its producer
         becomes a checkpoint instead (a ResNet block's output, read by the next block's convs).
         Only where checkpoints can go to the host ("superneurons"): kept on the device, the
-        stored value would cost more than the replay.
+        stored value would cost more than the replay. And only where the plan's peak is lower
+        for it (plan.py): DenseNet's largest concatenations pass the local test, yet their
+        replays fit under a peak set elsewhere, and stored they sent the host bytes growing
+        with the square of the depth (benchmarks/results/planner_costs_densenet_host.json).
 Rule 6: "offload" sends CONV outputs to the host, as the paper does; "superneurons" sends every
         kept checkpoint output, since the cheap layers after them are recomputed from them.
 Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: the checkpoints are
