@@ -129,9 +129,10 @@ def _host_memory_gib() -> float:
 
 def speed_part(args) -> dict:
     """Images/s against batch, fp32 and bf16 autocast with channels_last, under the cap. With
-    --isolate each network and system runs in a child process of its own: cuDNN's benchmark mode keeps its
-    algorithm choices per process and the allocator its cache, so otherwise what one system
-    chose and cached may serve the next (BENCHMARKS.md: VGG16 at 144, not diagnosed)."""
+    --isolate each network and system runs in a child process of its own: cuDNN's benchmark
+    mode keeps its algorithm choices per process and the allocator its cache, so otherwise what
+    one system chose and cached may serve the next (VGG16 at 144 in fp32: plain 378 img/s after
+    other systems in one process, 1015 in its own; BENCHMARKS.md)."""
     if args.isolate:      # one child per network and system: a stopped run keeps the others
         result = {}
         for network in args.networks:
