@@ -345,6 +345,12 @@ def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):
     memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
     assert memory.alloc(1000).numel() == 1000 and not memory.pin   # pageable from now on
 
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(host.torch, "empty", no_memory)
+    with pytest.raises(RuntimeError, match="out of host memory .* raise the budget"):
+        memory.alloc(100_000)
+
 
 def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monkeypatch):
     """With PYTORCH_NO_CUDA_MEMORY_CACHING=1 the allocator's statistics read zero: the runtime

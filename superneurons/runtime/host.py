@@ -19,6 +19,8 @@ Rule 4: a region whose host-to-device copy may still be running is reused only o
 
 import torch
 
+from ..units import format_bytes
+
 _ALIGN = 512
 FIRST_CHUNK_BYTES = 256 << 20
 MAX_CHUNK_BYTES = 8 << 30
@@ -105,7 +107,22 @@ class HostMemory:
                 want //= 2
         if buffer is None:
             self.pin = False
-            buffer = torch.empty(max(want, size), dtype=torch.uint8)
+            buffer = _pageable(max(want, size), size, self.capacity)
         chunk = _Chunk(buffer)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         return chunk
+
+
+def _pageable(want: int, size: int, held: int) -> torch.Tensor:
+    """A pageable chunk of ``want`` bytes, else of ``size``; a clear error if the host has
+    neither (rather than the allocator's, from inside autograd's hooks)."""
+    for num_bytes in dict.fromkeys((want, size)):
+        try:
+            return torch.empty(num_bytes, dtype=torch.uint8)
+        except RuntimeError as error:
+            failure = error
+    raise RuntimeError(
+        f"out of host memory for offloaded tensors: {format_bytes(held)} held, "
+        f"{format_bytes(size)} more needed. The parameters are unchanged (the optimizer has not "
+        "stepped); zero the gradients, then raise the budget (less to offload) or lower the "
+        "batch") from failure
