@@ -59,8 +59,11 @@ def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
                                        "superneurons"}
     steps = record["policies"]["liveness"]["steps"]
     assert len(steps) == 2 * record["num_layers"]
+    assert record["policies"]["liveness"]["offloaded_bytes"] == 0       # what goes to the host
+    assert record["policies"]["superneurons"]["offloaded_bytes"] > 0
     assert out_png.stat().st_size > 10_000
-    assert "superneurons" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "superneurons" in out and "to the host" in out       # rich may wrap the header
     assert main(["plan", "resnet", "--depth", "51", "--batch", "2"]) == 2
 
 

@@ -46,15 +46,18 @@ def run(args) -> None:
     graph = capture(model, shape, ("cuda", torch.bfloat16) if args.bf16 else None)
     plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
     any_plan = plans[Policy.SUPERNEURONS]
+    # at a policy's floor every tensor it may offload goes to the host: what the host must hold
     rows = [[str(p), format_bytes(pl.peak_bytes),
              f"{pl.peak_bytes / plans[Policy.BASELINE].peak_bytes:.1%}",
-             pl.num_extra_computations] for p, pl in plans.items()]
+             pl.num_extra_computations,
+             format_bytes(pl.offloaded_bytes) if p.offloads else "-"] for p, pl in plans.items()]
     print_table(f"{args.model}, input {shape}{', bf16 autocast' if args.bf16 else ''}: "
                 f"{len(any_plan.order)} layers, resident "
                 f"{format_bytes(any_plan.resident_bytes)}, l_peak "
                 f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
                 f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
-                ["policy", "predicted peak", "of baseline", "extra layer computations"], rows)
+                ["policy", "predicted peak", "of baseline", "extra layer computations",
+                 "to the host a step"], rows)
     chosen = None
     if args.budget:
         chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy)

@@ -126,6 +126,7 @@ class Plan:
             "policy": str(self.policy), "strategy": str(self.strategy),
             "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
             "resident_bytes": self.resident_bytes, "max_layer_bytes": self.max_layer_bytes,
+            "offloaded_bytes": self.offloaded_bytes,
             "num_layers": len(self.order), "num_extra_computations": self.num_extra_computations,
             "steps": [{"step": s.index, "phase": s.phase, "layer": s.layer,
                        "live_bytes": s.live_bytes, "live_tensors": s.live_tensors}
