@@ -109,6 +109,21 @@ def densenet_host_bytes(depths=(100, 250, 400, 1000, 2200, 2902)) -> list:
     return rows
 
 
+def densenet_budget_host_bytes(depth=1204, budgets_gib=(11.5, 5.0)) -> list:
+    """What DenseNet-BC's plans within a budget may offload, all of it: the host slab the runtime
+    pinned at the first offload before host.py Rule 1 (profile_first_step.py's configurations;
+    before the first step the device holds no optimizer state, so the plan gets the budget)."""
+    with torch.device("meta"):
+        graph = capture(models.densenet(depth, 12, cifar=True), (64, 3, 32, 32))
+    rows = []
+    for budget in budgets_gib:
+        planned = sn.planner.plan_graph(graph, Policy.SUPERNEURONS, int(budget * 2**30))
+        rows.append({"depth": depth, "budget_gib": budget,
+                     "offloaded_bytes": planned.offloaded_bytes})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 128),
                            ("inception_v4", 128), ("densenet201", 56))) -> list:
     rows = []
@@ -134,7 +149,7 @@ def main():
         return
     if "--densenet-host" in sys.argv:
         write(os.path.join(out, "planner_costs_densenet_host.json"),
-              {"densenet": densenet_host_bytes()})
+              {"densenet": densenet_host_bytes(), "within_budgets": densenet_budget_host_bytes()})
         return
     if "--autocast" in sys.argv:
         write(os.path.join(out, "planner_costs_autocast.json"),
