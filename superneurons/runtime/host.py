@@ -5,8 +5,8 @@ Rule 1: memory is pinned when an offload needs it, never for all a plan could of
         takes host time in proportion to its bytes and synchronizes the device: first steps that
         pinned a slab up front for all their plan could offload (64 GiB for DenseNet-BC 1204 at
         a 5 GiB budget, 16 GiB at 11.5) spent 41.5 and 8.5 s of host time in `torch.empty`
-        (benchmarks/results/profile_first_step.json), and DenseNet-BC 2902 could offload 270
-        GiB on a 251 GiB machine. Each new chunk doubles what is pinned, up to MAX_CHUNK_BYTES.
+        (benchmarks/results/profile_first_step.json, planner_costs_densenet_host_before.json).
+        Each new chunk doubles what is pinned, up to MAX_CHUNK_BYTES.
 Rule 2: PyTorch's pinned allocator rounds every request up to a power of two, so chunks are
         powers of two: all that is page-locked is used.
 Rule 3: where the system will not pin a chunk, a smaller one is tried, down to the region's own
