@@ -10,9 +10,7 @@ OUT_DIR/profile_first_step.json.
 
 import cProfile
 import gc
-import io
 import os
-import pstats
 import sys
 import time
 
@@ -23,7 +21,7 @@ import torch  # noqa: E402
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
 from common import cap_memory, sgd, sgd_step, write  # noqa: E402
-from profile_step import ALLOCATOR  # noqa: E402
+from profile_step import ALLOCATOR, python_profile  # noqa: E402
 
 
 def profile_config(config: str, cap_gib: float = 12.0) -> dict:
@@ -49,9 +47,7 @@ def profile_config(config: str, cap_gib: float = 12.0) -> dict:
     after = torch.cuda.memory_stats()
     row["allocator"] = {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR}
     for order in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(25)
-        row[f"python_profile_{order}"] = text.getvalue().splitlines()[-33:]
+        row[f"python_profile_{order}"] = python_profile(profiler, order, 25)
     del model, x, y, wrapped
     gc.collect()
     torch.cuda.empty_cache()

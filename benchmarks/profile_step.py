@@ -79,15 +79,20 @@ def profile_config(config: str) -> dict:
         sgd_step(wrapped, optimizer, x, y)
         torch.cuda.synchronize()
         profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-        row["python_profile"] = text.getvalue().splitlines()[-26:]
+        row["python_profile"] = python_profile(profiler, "tottime", 18)
         row["stats"] = wrapped.stats.as_dict()
         row["extra_computations"] = wrapped.plan_for(x)[0].num_extra_computations
     del model, x, y, wrapped, optimizer
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def python_profile(profiler: cProfile.Profile, order: str, count: int) -> list:
+    """The busiest ``count`` host functions by ``order``, as pstats prints them (with header)."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+    return text.getvalue().splitlines()[-(count + 8):]
 
 
 def main():

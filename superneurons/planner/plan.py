@@ -144,10 +144,13 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
     if segments is None and policy.recomputes and policy.offloads:
         # policy Rule 7 only where its stored values lower the peak (ResNets: yes; DenseNets: no,
         # and DenseNet-BC 2902 would send 270 GiB a step to the host for them)
-        def build(rule_7: bool) -> Plan:
-            return _build(graph, order, timeline, costs, policy, strategy, budget,
-                          find_segments(graph, order, strategy, costs, offloads=rule_7))
-        stored, replayed = build(True), build(False)
+        def build(segments: list) -> Plan:
+            return _build(graph, order, timeline, costs, policy, strategy, budget, segments)
+        with_rule_7 = find_segments(graph, order, strategy, costs, offloads=True)
+        without = find_segments(graph, order, strategy, costs)
+        if with_rule_7 == without:                  # Rule 7 stored nothing: one plan to build
+            return build(without)
+        stored, replayed = build(with_rule_7), build(without)
         return stored if stored.peak_bytes < replayed.peak_bytes else replayed
     if segments is None:
         segments = find_segments(graph, order, strategy, costs) if policy.recomputes else []

@@ -76,7 +76,7 @@ class HostMemory:
 
     def alloc(self, num_bytes: int) -> torch.Tensor:
         """A region of ``num_bytes``, from a new chunk if no chunk has room (Rule 1)."""
-        size = -(-num_bytes // _ALIGN) * _ALIGN
+        size = _aligned(num_bytes)
         for attempt in range(2):
             for chunk in self.chunks.values():
                 region = chunk.carve(size, num_bytes)
@@ -88,8 +88,7 @@ class HostMemory:
 
     def release(self, region: torch.Tensor, event=None) -> None:
         chunk = self.chunks[region.untyped_storage().data_ptr()]
-        offset = region.storage_offset()
-        size = -(-region.numel() // _ALIGN) * _ALIGN
+        offset, size = region.storage_offset(), _aligned(region.numel())
         if event is not None and not event.query():
             chunk.deferred.append((offset, size, event))
         else:
@@ -111,6 +110,10 @@ class HostMemory:
         chunk = _Chunk(buffer)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         return chunk
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // _ALIGN) * _ALIGN
 
 
 def _pageable(want: int, size: int, held: int) -> torch.Tensor:
