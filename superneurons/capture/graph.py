@@ -52,6 +52,8 @@ class Layer:
     mutates: tuple = ()       # storage indices this layer writes in place
     random: bool = False
     module: torch.nn.Module | None = None
+    forward_scratch: int = 0  # bytes its computation needs beyond l_f, then frees (scratch.py)
+    backward_scratch: int = 0  # likewise beyond l_b
 
     @property
     def internal_saved_bytes(self) -> int:

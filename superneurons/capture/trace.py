@@ -10,6 +10,8 @@ Rule 4: a layer that looks like one already run (memo.py) is not run again: its 
         outputs, in-place writes and saved tensors is reused.
 Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autocast.py), so
         their outputs and saved tensors have the dtypes and bytes autocast gives them.
+Rule 6: each layer's forward and backward scratch, the temporaries l_f and l_b do not name, is
+        measured in that run (scratch.py).
 """
 
 import contextlib
@@ -24,6 +26,7 @@ from .autocast import AutocastOnMeta
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import is_random, kind_of
 from .memo import Pattern, memo_key
+from .scratch import LiveBytes, backward_scratch, one_kernel_backward
 
 
 class _LeafTracer(fx.Tracer):
@@ -189,8 +192,9 @@ class _Analyzer:
         if pattern is not None:                                               # Rule 4
             result = pattern.result(tensors)
             mutated = list(pattern.mutated)
+            scratch = pattern.scratch
         else:
-            result, packed, mutated = self._run(node, module, name, args, kwargs, tensors)
+            result, packed, mutated, watch = self._run(node, module, name, args, kwargs, tensors)
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
         if pattern is not None:
@@ -199,28 +203,35 @@ class _Analyzer:
                           for source, at in pattern.saved)
         else:
             saved = self._classify_saved(packed, fresh, output_ids, module)
+            del packed     # else the saved tensors outlive their use in the backward measured
+            forward_scratch = watch.peak - watch.live
+            scratch = (forward_scratch, 0 if one_kernel_backward(node, module) else
+                       backward_scratch(watch, result, tensors))
             if key is not None:
                 self.memo[key] = Pattern(result, tensors, mutated, [
                     ("internal", entry.nbytes) if entry.value is None else
                     ("output", outputs.index(entry.value)) if entry.value in outputs else
-                    ("input", order.index(entry.value)) for entry in saved])
+                    ("input", order.index(entry.value)) for entry in saved], scratch)
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
                       outputs=outputs, saved=saved, mutates=mutates,
-                      random=is_random(node, module, kind), module=module)
+                      random=is_random(node, module, kind), module=module,
+                      forward_scratch=scratch[0], backward_scratch=scratch[1])
         self.layers.append(layer)
         return layer
 
     def _run(self, node, module, name: str, args, kwargs, tensors: list) -> tuple:
-        """Run the layer on its fresh inputs: (result, saved tensors, input positions written)."""
+        """Run the layer on its fresh inputs: (result, saved tensors, input positions written,
+        the LiveBytes that watched it)."""
         versions = [t._version for t in tensors]
         packed = []
+        watch = LiveBytes()
 
         def pack(tensor):
             packed.append(tensor)
             return tensor
 
         try:
-            with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+            with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), watch, \
                     (self.autocast or contextlib.nullcontext()):
                 result = self._call(node, module, args, kwargs)
         except Exception as error:
@@ -229,7 +240,7 @@ class _Analyzer:
                              "make it a module without children or file an issue with the model.") \
                 from error
         mutated = [k for k, t in enumerate(tensors) if t._version != versions[k]]
-        return result, packed, mutated
+        return result, packed, mutated, watch
 
     def _call(self, node, module, args, kwargs):
         if node.op == "call_module":

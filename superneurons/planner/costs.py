@@ -1,8 +1,9 @@
 """The paper's memory model: l_f and l_b per layer, and l_peak = max(l_i).
 
-l_f(i): the storages layer i reads and writes in its forward, plus what it saves internally.
+l_f(i): the storages layer i reads and writes in its forward, plus what it saves internally,
+        plus the scratch its forward frees before it returns (capture/scratch.py).
 l_b(i): what its backward reads (saved activations and internal tensors), the gradient of its
-        outputs it receives and the gradient of its inputs it writes.
+        outputs it receives and the gradient of its inputs it writes, plus its scratch.
 Model state (parameters, their gradients, buffers) is resident and counted apart.
 work(i): what replaying layer i's forward costs, in bytes of device-memory traffic: the bytes its
         forward touches, plus its multiply-adds at FLOPS_PER_BYTE (an H100/H200 in TF32 does
@@ -56,10 +57,11 @@ def layer_costs(graph: LayerGraph) -> LayerCosts:
     forward, backward, work = [], [], []
     for layer in graph.layers:
         touched = {graph.values[v].storage for v in (*layer.inputs, *layer.outputs)}
-        forward.append(sum(size[s] for s in touched) + layer.internal_saved_bytes)
+        forward.append(sum(size[s] for s in touched) + layer.internal_saved_bytes
+                       + layer.forward_scratch)
         saved = {graph.values[s.value].storage for s in layer.saved if s.value is not None}
         grads = _grad_storages(graph, layer.outputs) | _grad_storages(graph, layer.inputs)
         backward.append(sum(size[s] for s in saved) + layer.internal_saved_bytes
-                        + sum(size[s] for s in grads))
+                        + sum(size[s] for s in grads) + layer.backward_scratch)
         work.append(forward[-1] + _flops(graph, layer) // FLOPS_PER_BYTE)
     return LayerCosts(tuple(forward), tuple(backward), tuple(work))

@@ -1,7 +1,8 @@
 """Prediction: every buffer of the step with the steps it lives, per policy.
 
-A buffer is an activation storage, a gradient, or a layer's internal saved tensors. Summing the
-buffers live at each step gives the per-step memory (the paper's Figure 10) and the peak.
+A buffer is an activation storage, a gradient, a layer's internal saved tensors, or the scratch
+a step's computations need while they run. Summing the buffers live at each step gives the
+per-step memory (the paper's Figure 10) and the peak.
 """
 
 import bisect
@@ -138,7 +139,26 @@ def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actio
             fetch = prefetch_step(last)
             intervals = ((first, last),) if fetch <= first + 1 else ((first, first), (fetch, last))
         buffers.append(Buffer(f"{layer.name}:saved", nbytes, _merge(intervals), managed=managed))
-    return buffers
+    return buffers + _scratch_buffers(graph, timeline, segments, needs)
+
+
+def _scratch_buffers(graph: LayerGraph, timeline: Timeline, segments: list,
+                     needs: SegmentNeeds) -> list:
+    """One buffer per step whose computations need scratch (capture/scratch.py): the largest
+    among them, since one computation frees its scratch before the next begins. A step computes
+    its layer's forward or backward, and in backward the replays of segments it reads."""
+    largest: dict = {}
+
+    def need(step: int, nbytes: int) -> None:
+        if nbytes > largest.get(step, 0):
+            largest[step] = nbytes
+    for layer in graph.layers:
+        need(timeline.fwd(layer.index), layer.forward_scratch)
+        need(timeline.bwd(layer.index), layer.backward_scratch)
+    for segment in segments:
+        for step, last in needs.replays[segment.index]:
+            need(step, max(graph.layers[l].forward_scratch for l in segment.layers[:last + 1]))
+    return [Buffer("scratch", nbytes, ((step, step),)) for step, nbytes in sorted(largest.items())]
 
 
 def _merge(intervals) -> tuple:

@@ -1,0 +1,118 @@
+"""Scratch: the memory a layer needs only while it computes, which l_f and l_b do not name.
+
+A layer made of several operations (LocalResponseNorm is eight: pow, pad, avg_pool3d, mul, add,
+pow, div...) makes temporaries in its forward that it frees before it returns, and its backward
+makes more on its way through the chain rule. l_f counts a layer's inputs, outputs and saved
+tensors, l_b what the backward reads and the gradients it receives and writes; neither sees these
+temporaries. For AlexNet's LRN at batch 1100 the backward's are 4.8 GiB over an l_b of 7.2 GiB:
+the largest layer, max(l_i), is then what the step's peak cannot go below (BENCHMARKS.md, "The
+largest layer").
+
+Rule 1: a layer's scratch is measured, not modelled: its forward and then its backward run on the
+        meta device under a dispatch mode that counts the bytes of every storage the operations
+        make, until that storage is freed (storages keep their Python object, so a finalizer sees
+        the moment).
+Rule 2: forward scratch = the peak of those bytes in the forward, less what is still live when it
+        returns (its outputs and saved tensors, which l_f counts). Backward scratch = the peak in
+        the backward, less what was live when it began (outputs, saved tensors, the gradients it
+        receives) and the input gradients it returns (l_b counts them). Saved tensors freed as
+        autograd goes lower the peak, as they do on the GPU.
+Rule 3: only input gradients are asked for: parameter gradients are resident, and a
+        convolution's weight gradient works in cuDNN's workspace, which the runtime sizes apart.
+Rule 4: a layer whose backward cannot run on the meta device gets no backward scratch (the
+        runtime's calibration then sees what it uses, as before).
+Rule 5: torch.nn layers whose backward is one kernel writing the input gradient (convolution,
+        linear, batch norm, ReLU, pooling, dropout; cat and add) are not run backward: they have
+        no scratch to find, and their meta backward, a Python decomposition, would double the
+        planning time of a DenseNet-BC of 1,204 layers (10.5 to 19.2 s on a CPU).
+"""
+
+import operator
+import weakref
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveBytes", "backward_scratch", "one_kernel_backward"]
+
+_ONE_KERNEL_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear,
+                       nn.ReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
+                       nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                       nn.AdaptiveAvgPool3d, nn.Dropout, nn.Identity, nn.Flatten)
+_ONE_KERNEL_FUNCTIONS = {torch.cat, torch.add, operator.add, operator.iadd, torch.flatten,
+                         torch.relu, torch.nn.functional.relu}
+
+
+def one_kernel_backward(node, module) -> bool:
+    """Rule 5: a layer known to need no backward scratch."""
+    if module is not None:
+        return type(module) in _ONE_KERNEL_MODULES or (
+            isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and type(module).__module__.startswith("torch.nn"))
+    return node.op == "call_function" and node.target in _ONE_KERNEL_FUNCTIONS
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of storages made by operations under it while they live (Rule 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._tracked = set()          # id() of live storages; a finalizer removes each
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        for position, tensor in enumerate(leaves):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if position < len(returns) and returns[position].alias_info is not None:
+                continue                   # a view, or an input written in place: no new memory
+            self._track(tensor.untyped_storage())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _track(self, storage) -> None:
+        key = id(storage)
+        if key in self._tracked:
+            return
+        nbytes = storage.nbytes()
+        self._tracked.add(key)
+        self.live += nbytes
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.discard(key)
+        self.live -= nbytes
+
+    def restart_peak(self) -> int:
+        self.peak = self.live
+        return self.live
+
+
+def backward_scratch(watch: LiveBytes, result, inputs: list) -> int:
+    """Run the backward of ``result`` (the forward having run under ``watch``) for the gradients
+    of ``inputs`` that need one; its scratch per Rule 2, 0 where it cannot run (Rule 4)."""
+    roots = [t for t in pytree.tree_leaves(result)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point()]
+    wanted = [t for t in inputs if t.requires_grad]
+    if not roots or not wanted:
+        return 0
+    try:
+        # the gradient a layer receives is made by the next layer's backward and freed once
+        # used; a product with 2 gives it that life: only the engine holds it (counted below)
+        proxies = [root * 2.0 for root in roots]
+        ones = [torch.ones((), dtype=p.dtype, device=p.device).expand_as(p) for p in proxies]
+        received = sum(root.untyped_storage().nbytes() for root in roots)
+        with watch:
+            at_start = watch.restart_peak()
+            grads = torch.autograd.grad(proxies, wanted, ones, allow_unused=True)
+        returned = {id(s): s.nbytes() for s in (g.untyped_storage() for g in grads
+                                                 if g is not None)}
+    except Exception:                      # noqa: BLE001 -- Rule 4: no meta backward for it
+        return 0
+    return max(0, watch.peak - at_start - received - sum(returned.values()))
