@@ -272,18 +272,21 @@ class Executor:
         if tensor.untyped_storage().data_ptr() in self.param_ptrs:
             return tensor                                            # Rule 3
         if self.segment is not None:
-            return SlotRef(self.records[self.segment.index], key)
+            return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index))
         holder = [tensor]
         self.pending.append(holder)
         return holder
 
     def _unpack(self, handle):
+        # whatever a layer's backward reads marks its step, so the pool makes that step's room
+        # (the scratch of a replayed LRN, say) even where nothing of the step is in the pool
         if isinstance(handle, list):
+            if len(handle) > 1:
+                self._enter_backward_step(handle[1])
             handle = handle[0]
         if isinstance(handle, torch.Tensor):
             return handle
-        if isinstance(handle, PoolRef):
-            self._enter_backward_step(handle.step)
+        self._enter_backward_step(handle.step)
         try:
             return handle.get()
         except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
@@ -317,6 +320,7 @@ class Executor:
         actions, policy = self.plan.actions, self.plan.policy
         for index, holder in enumerate(self.pending):
             tensor = holder[0]
+            holder.append(step)                 # the backward step that reads it (_unpack)
             value = by_storage.get(tensor.untyped_storage().data_ptr())
             if value is None:       # a layer's own tensor (pooling indices, batch statistics)
                 if policy is Policy.SUPERNEURONS:
@@ -330,7 +334,7 @@ class Executor:
                 holder[0] = self._pool_ref(storage, tensor, step)
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
-                holder[0] = ValueRef(record, value, view_of(tensor))
+                holder[0] = ValueRef(record, value, view_of(tensor), step)
         self.pending = []
 
     def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,

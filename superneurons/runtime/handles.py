@@ -50,10 +50,10 @@ class PoolRef:
 class SlotRef:
     """A tensor saved inside a recomputation segment: dropped now, replayed in backward."""
 
-    __slots__ = ("record", "key")
+    __slots__ = ("record", "key", "step")
 
-    def __init__(self, record, key):
-        self.record, self.key = record, key
+    def __init__(self, record, key, step: int):
+        self.record, self.key, self.step = record, key, step    # step: the backward that reads it
         record.hold(key)
 
     def get(self) -> torch.Tensor:
@@ -68,8 +68,8 @@ class ValueRef(SlotRef):
 
     __slots__ = ("view",)
 
-    def __init__(self, record, value: int, view):
-        super().__init__(record, ("value", value))
+    def __init__(self, record, value: int, view, step: int):
+        super().__init__(record, ("value", value), step)
         self.view = view
 
     def get(self) -> torch.Tensor:
