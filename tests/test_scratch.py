@@ -8,6 +8,7 @@ from torch import nn
 import superneurons as sn
 from superneurons.capture import capture
 from superneurons.capture.scratch import LiveBytes
+from superneurons.models import layers
 from superneurons.models.layers import LocalResponseNorm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device machine)")
@@ -37,11 +38,14 @@ def test_pytorch_lrn_backward_scratch_counts_in_l_b():
     assert l_b == pytest.approx(1 + layer.internal_saved_bytes / UNIT + 1 + 1 + 3)
 
 
-def test_one_step_lrn_needs_a_third_less():
+def test_one_step_lrn_needs_little_over_half(monkeypatch):
+    monkeypatch.setattr(layers, "CHUNK_BYTES", UNIT // 8)       # slices of one sample
     ours, l_f, l_b = _lrn_layer(LocalResponseNorm(5))
     _, torch_l_f, torch_l_b = _lrn_layer(nn.LocalResponseNorm(5))
-    assert (l_f, l_b) == (3, 6)      # x, y, D; then x, D, g, dx and two temporaries
-    assert l_b <= torch_l_b * 2 / 3 and l_f < torch_l_f
+    # forward: x, D and y, with a slice's square and mean; backward: x, D, g and dx, with a
+    # slice's scale and mean
+    assert (l_f, l_b) == (3 + 2 / 8, 4 + 2 / 8)
+    assert l_b <= torch_l_b * 0.5 and l_f < torch_l_f
     assert ours.kind is sn.capture.Kind.LRN
 
 
@@ -59,9 +63,11 @@ def test_fused_layers_have_no_scratch():
     assert all(l.forward_scratch == 0 and l.backward_scratch == 0 for l in graph.layers)
 
 
+@pytest.mark.parametrize("slice_bytes", [2**30, 1], ids=["whole-batch", "sample-by-sample"])
 @pytest.mark.parametrize("size", [1, 2, 4, 5])
 @pytest.mark.parametrize("shape", [(3, 6, 9), (2, 7, 5, 6), (2, 8, 3, 4, 5)])
-def test_one_step_lrn_is_pytorchs_lrn(size, shape):
+def test_one_step_lrn_is_pytorchs_lrn(size, shape, slice_bytes, monkeypatch):
+    monkeypatch.setattr(layers, "CHUNK_BYTES", slice_bytes)
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(shape, dtype=torch.float64)
     theirs = F.local_response_norm(x, size, 1e-2, 0.75, 1.5)
@@ -71,8 +77,9 @@ def test_one_step_lrn_is_pytorchs_lrn(size, shape):
                                torch.autograd.grad(theirs, x, grad)[0])
 
 
-def test_one_step_lrn_gradcheck_and_bad_input():
-    x = torch.randn(2, 6, 3, 3, dtype=torch.float64, requires_grad=True)
+def test_one_step_lrn_gradcheck_and_bad_input(monkeypatch):
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 1)
+    x = torch.randn(3, 6, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(LocalResponseNorm(3, 0.5, 0.75, 1.0), (x,))
     with pytest.raises(ValueError, match="3 or more dimensions"):
         LocalResponseNorm(3)(torch.randn(4, 6))

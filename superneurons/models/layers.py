@@ -21,7 +21,8 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size, stride=1, pad
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):
-    """nn.LocalResponseNorm in one autograd step: the same function, a third less memory.
+    """nn.LocalResponseNorm in one autograd step, a slice of the batch at a time: the same
+    function in a bit over half the memory of PyTorch's own.
 
     PyTorch builds LRN from eight operations, and autograd keeps what each one needs: for an
     input of 1 unit, 3.04 units of saved intermediates and 3 units of temporaries in the backward
@@ -31,10 +32,23 @@ class LocalResponseNorm(nn.LocalResponseNorm):
     forms the gradient from them, as cuDNN's fused LRN does:
 
         dx = g * D^-beta - 2 * alpha * beta * x * mean over the window of (g * x * D^(-beta-1))
+
+    Each sample is normalised on its own, so both directions run over slices of the batch of
+    about CHUNK_BYTES, writing into whole outputs: the temporaries are a slice's, and the
+    backward holds its gradient, the two saved tensors and the gradient it writes (4 units).
     """
 
     def forward(self, x):
         return _LocalResponseNorm.apply(x, self.size, self.alpha, self.beta, self.k)
+
+
+CHUNK_BYTES = 64 * 2**20
+
+
+def _batch_slices(x) -> list:
+    per_sample = max(1, x[0].numel() * x.element_size()) if len(x) else 1
+    rows = max(1, CHUNK_BYTES // per_sample)
+    return [slice(first, first + rows) for first in range(0, len(x), rows)]
 
 
 def _channel_mean(x, size: int, mirrored: bool = False):
@@ -59,16 +73,24 @@ class _LocalResponseNorm(torch.autograd.Function):
         if x.dim() < 3:
             raise ValueError(f"LocalResponseNorm needs an input of 3 or more dimensions (batch, "
                              f"channels, ...), got {x.dim()}")
-        denominator = _channel_mean(x * x, size).mul_(alpha).add_(k)
+        denominator, out = torch.empty_like(x), torch.empty_like(x)
+        for rows in _batch_slices(x):
+            part, d = x[rows], denominator[rows]
+            d.copy_(_channel_mean(part * part, size)).mul_(alpha).add_(k)
+            torch.pow(d, -beta, out=out[rows]).mul_(part)
         ctx.save_for_backward(x, denominator)
         ctx.size, ctx.alpha, ctx.beta = size, alpha, beta
-        return torch.pow(denominator, -beta).mul_(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, denominator = ctx.saved_tensors
-        scale = torch.pow(denominator, -ctx.beta)
-        grad_x = grad * scale
-        cross = scale.div_(denominator).mul_(grad).mul_(x)   # g * x * D^(-beta-1), in place
-        grad_x.addcmul_(x, _channel_mean(cross, ctx.size, mirrored=True), value=-2 * ctx.alpha * ctx.beta)
+        grad_x = torch.empty_like(x)
+        for rows in _batch_slices(x):
+            part, d, g, out = x[rows], denominator[rows], grad[rows], grad_x[rows]
+            scale = torch.pow(d, -ctx.beta)
+            torch.mul(g, scale, out=out)
+            cross = scale.div_(d).mul_(g).mul_(part)        # g * x * D^(-beta-1), in place
+            out.addcmul_(part, _channel_mean(cross, ctx.size, mirrored=True),
+                         value=-2 * ctx.alpha * ctx.beta)
         return grad_x, None, None, None, None

@@ -20,7 +20,8 @@ Rule 7: a value that a layer outside its segment saves is replayed at that layer
         replays fit under a peak set elsewhere, and stored they sent the host bytes growing
         with the square of the depth (benchmarks/results/planner_costs_densenet_host.json).
 Rule 6: "offload" sends CONV outputs to the host, as the paper does; "superneurons" sends every
-        kept checkpoint output, since the cheap layers after them are recomputed from them.
+        kept checkpoint output, since the cheap layers after them are recomputed from them. The
+        model's input stays: its caller holds it through the step.
 Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: the checkpoints are
         then the route's cuts, the layers after which a single storage is live (a ResNet block's
         output), the last of each run of consecutive cuts. On a GPU whose arithmetic outruns its
@@ -264,8 +265,10 @@ def storage_actions(graph: LayerGraph, policy: Policy, segment_of: dict) -> list
         elif policy is Policy.OFFLOAD and creator is not None \
                 and graph.layers[creator].kind in OFFLOAD_KINDS:
             actions.append(Action.OFFLOAD)
-        elif policy is Policy.SUPERNEURONS:
-            actions.append(Action.OFFLOAD)       # the model's input too: the first conv saves it
+        elif policy is Policy.SUPERNEURONS and creator is not None:
+            actions.append(Action.OFFLOAD)
         else:
+            # and the model's input: its caller holds it through the step, so a copy on the host
+            # would free nothing (AlexNet b1575 peaked 0.95 GiB over its plan when it "moved")
             actions.append(Action.KEEP)
     return actions

@@ -99,8 +99,8 @@ def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actio
         create, last_fwd = timeline.create[s], timeline.last_forward_use(s)
         backward = sorted(set(timeline.backward_uses[s]) | set(extra_uses[s]))
         action = actions[s]
-        if policy is Policy.BASELINE:
-            intervals = ((create, last_step),)
+        if policy is Policy.BASELINE or storage.creator is None:
+            intervals = ((create, last_step),)     # the model's input: its caller holds it
         elif not backward or action is Action.KEEP:
             intervals = ((create, max([last_fwd, *backward])),)
         elif action is Action.OFFLOAD:
