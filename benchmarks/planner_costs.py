@@ -10,9 +10,11 @@
   step, by the kind of layer that made it (planner_costs_densenet_host.json);
 - with --autocast alone: the liveness peak in fp32 and under bf16 autocast for the bf16 rows of
   the speed part, against the budget: where it fits, the wrapped model runs untouched
-  (planner_costs_autocast.json).
+  (planner_costs_autocast.json);
+- with --lrn alone: AlexNet's LRN1 (l_f, l_b, scratch) and the superneurons floor with PyTorch's
+  LRN, the one-step LRN over the whole batch and the sliced one (planner_costs_lrn.json).
 
-    python benchmarks/planner_costs.py [--densenet | --densenet-host | --autocast] [OUT_DIR]
+    python benchmarks/planner_costs.py [--densenet | --densenet-host | --autocast | --lrn] [OUT]
 """
 
 import importlib
@@ -139,6 +141,34 @@ def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 12
     return rows
 
 
+def lrn_costs(batches=(1080, 1100, 1575, 2205)) -> list:
+    from torch import nn
+    from superneurons.models import layers
+    variants = {"pytorch": nn.LocalResponseNorm, "one_step_whole_batch": layers.LocalResponseNorm,
+                "one_step_sliced": layers.LocalResponseNorm}
+    rows = []
+    for batch in batches:
+        for variant, lrn in variants.items():
+            chunk = layers.CHUNK_BYTES
+            if variant == "one_step_whole_batch":
+                layers.CHUNK_BYTES = 2**62
+            with torch.device("meta"):
+                model = models.build("alexnet")
+            for index, module in enumerate(model):
+                if isinstance(module, nn.LocalResponseNorm):
+                    model[index] = lrn(5)
+            plan = sn.plan(model, models.input_shape("alexnet", batch), "superneurons")
+            layers.CHUNK_BYTES = chunk
+            lrn1 = plan.graph.layers[2]
+            rows.append({"batch": batch, "lrn": variant, "lrn1_l_f": plan.costs.forward[2],
+                         "lrn1_l_b": plan.costs.backward[2],
+                         "lrn1_scratch": [lrn1.forward_scratch, lrn1.backward_scratch],
+                         "l_peak_bytes": plan.max_layer_bytes,
+                         "superneurons_floor_bytes": plan.peak_bytes})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = arguments[0] if arguments else os.path.join(os.path.dirname(__file__), "results")
@@ -154,6 +184,9 @@ def main():
     if "--autocast" in sys.argv:
         write(os.path.join(out, "planner_costs_autocast.json"),
               {"budget_bytes": BUDGET, "autocast": autocast_peaks()})
+        return
+    if "--lrn" in sys.argv:
+        write(os.path.join(out, "planner_costs_lrn.json"), {"alexnet": lrn_costs()})
         return
     record = {"budget_bytes": BUDGET, "capture": capture_seconds()}
     print(record["capture"], flush=True)

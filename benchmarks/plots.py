@@ -16,6 +16,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+# a network whose model changed: its rows measured before are another model's (AlexNet's LRN
+# became models.layers.LocalResponseNorm, sliced over the batch; BENCHMARKS.md, largest batch)
+MODEL_CHANGED = {"alexnet": "2026-11-29T20:40"}
+
+
+def _current(network: str, record: dict) -> bool:
+    return record.get("date", "") >= MODEL_CHANGED.get(network, "")
+
+
 def _records(folder: str, part: str) -> list:
     """The part's records, oldest first (a later record's numbers replace an earlier one's)."""
     records = []
@@ -29,6 +38,8 @@ def largest_batch(folder: str) -> None:
     table = {}
     for record in _records(folder, "batch"):
         for network, systems in record["results"].items():
+            if not _current(network, record):
+                continue
             for system, value in systems.items():
                 table.setdefault(network, {})[system] = value["batch"]
     if not table:
@@ -50,7 +61,7 @@ def speed(folder: str) -> None:
     rows = {}
     for record in _records(folder, "speed"):
         for network, network_rows in record["results"].items():
-            for row in network_rows:
+            for row in network_rows if _current(network, record) else ():
                 rows[network, row["batch"], row["dtype"], row["system"]] = row
     networks = sorted({key[0] for key in rows})
     if not networks:
@@ -162,20 +173,26 @@ def deepest(folder: str) -> None:
 
 
 def densenet_memory(folder: str) -> None:
+    """Predictions from the latest record; each system's measured peaks from the latest record
+    that measured it (a run of superneurons alone keeps plain's and checkpoint's lines)."""
     records = [r for r in _records(folder, "densenet") if r["results"].get("memory_by_depth")]
     if not records:
         return
     rows = records[-1]["results"]["memory_by_depth"]
+    measured = {}                                 # system -> {depth: bytes}
+    for record in records:
+        for row in record["results"]["memory_by_depth"]:
+            for name, nbytes in row.get("measured_peak_bytes", {}).items():
+                if nbytes:
+                    measured.setdefault(name, {})[row["depth"]] = nbytes
     figure, axis = plt.subplots(figsize=(6, 3.5))
     depths = [row["depth"] for row in rows]
     for policy in ("liveness", "superneurons"):
         axis.plot(depths, [row["predicted_peak_bytes"][policy] / 2**30 for row in rows],
                   ls="--", marker=".", label=f"{policy} predicted")
-    for name in rows[0].get("measured_peak_bytes", {}):
-        points = [(row["depth"], row["measured_peak_bytes"][name] / 2**30) for row in rows
-                  if row["measured_peak_bytes"].get(name)]
-        if points:
-            axis.plot(*zip(*points), marker="o", label=f"{name} measured")
+    for name, by_depth in measured.items():
+        points = sorted((depth, nbytes / 2**30) for depth, nbytes in by_depth.items())
+        axis.plot(*zip(*points), marker="o", label=f"{name} measured")
     axis.set_yscale("log")          # plain grows with depth squared, the others linearly
     _finish(figure, axis, folder, "densenet_memory.png",
             "DenseNet-BC depth (k=12, 32 px, batch 64)", "GiB")

@@ -362,3 +362,25 @@ def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monke
     monkeypatch.setattr(executor, "allocated_bytes", lambda device: 64 + 1000)
     assert executor.allocator_counts(x)
     assert executor.allocator_counts(torch.empty(0))          # nothing to tell by: trust it
+
+
+def test_every_backward_step_that_reads_a_saved_tensor_is_entered(monkeypatch):
+    """A replayed layer's backward reads only its segment's slots: its step must still be entered
+    so the pool makes that step's room (AlexNet b1620 ran LRN1's backward at POOL1's accounting
+    and went out of memory)."""
+    from superneurons.runtime.executor import Executor
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(inplace=True),
+        models.layers.LocalResponseNorm(5), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(inplace=True),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10), torch.nn.LogSoftmax(dim=1))
+    entered = []
+    original = Executor._enter_backward_step
+    monkeypatch.setattr(Executor, "_enter_backward_step",
+                        lambda self, step: (entered.append(step), original(self, step)))
+    wrapped = assert_same_training(model, X, Y, steps=1, policy="superneurons")
+    plan, executor = wrapped.plan_for(X)
+    lrn = plan.graph.layer("2")
+    assert plan.actions[plan.graph.values[lrn.outputs[0]].storage] is sn.planner.Action.RECOMPUTE
+    assert executor.bwd(lrn.index) in entered

@@ -23,6 +23,13 @@ Rule 5: a layer that runs out of device memory gets one retry after everything t
         are beyond reach. The retry is exact because PyTorch's layers allocate their results
         before they write anything (a layer that updated a buffer and then failed would
         update it twice).
+Rule 6: the pool makes a backward step's room when that step reads a pool tensor, and at the
+        backward of a layer with scratch (capture/scratch.py), whatever it reads: that step
+        holds bytes no earlier step did (AlexNet b1620's LRN1 ran at POOL1's accounting and went
+        out of memory). Entering every step was tried: ResNet-50 b280 then moved 1.62 GiB a step
+        at 1455 img/s, where entering pool steps alone had moved nothing at 1786 (another host;
+        speed_resnet50_280_steps.json, speed.json): the calibrated excess, which holds cuDNN
+        workspaces that shrink to fit, was added at steps inside whole-block replays.
 """
 
 import operator
@@ -126,6 +133,7 @@ class Executor:
         self._replay_liveness(graph)
         self.unmanaged = plan.unmanaged_per_step()
         self.unmanaged_max = _RangeMax(self.unmanaged)
+        self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until))
         self.step_id = 0
@@ -278,15 +286,16 @@ class Executor:
         return holder
 
     def _unpack(self, handle):
-        # whatever a layer's backward reads marks its step, so the pool makes that step's room
-        # (the scratch of a replayed LRN, say) even where nothing of the step is in the pool
-        if isinstance(handle, list):
-            if len(handle) > 1:
-                self._enter_backward_step(handle[1])
+        step = None
+        if isinstance(handle, list):               # [tensor or handle, step] once resolved
+            step = handle[1] if len(handle) > 1 else None
             handle = handle[0]
+        if not isinstance(handle, torch.Tensor):
+            step = handle.step
+        if step is not None and (isinstance(handle, PoolRef) or step in self.scratch_steps):
+            self._enter_backward_step(step)                                   # Rule 6
         if isinstance(handle, torch.Tensor):
             return handle
-        self._enter_backward_step(handle.step)
         try:
             return handle.get()
         except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
