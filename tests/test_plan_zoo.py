@@ -196,3 +196,12 @@ def test_the_models_input_stays_on_the_device_through_the_step(policy):
     assert plan.actions[storage] is Action.KEEP
     buffer = next(b for b in plan.buffers if b.storage == storage)
     assert buffer.intervals == ((0, plan.timeline.num_steps - 1),) and not buffer.managed
+
+
+def test_the_input_held_by_the_caller_does_not_tip_the_whole_block_choice():
+    """trim's whole-block share bounds what real use adds to a plan's floor; the input is exact.
+    ResNet-50 b500 within 11.5 GiB replays every block (9 GiB to move a step), as before plans
+    held the input, rather than cheap replays moving 51 GiB."""
+    graph = capture(meta_model("resnet50"), input_shape("resnet50", 500))
+    plan = plan_graph(graph, "superneurons", budget=int(11.5 * 2**30))
+    assert plan.bytes_to_move() < 10 * 2**30

@@ -2,7 +2,7 @@
 layer's behaves like it on the meta device, so it is not run again.
 
 A deep ResNet repeats the same few layers thousands of times, and a BatchNorm on meta tensors runs
-a Python decomposition; the memo cuts a 3,115-layer ResNet's capture from 5.0 s to 1.1 s
+a Python decomposition; the memo cuts a 3,115-layer ResNet's capture from 4.5 s to 1.0 s
 (benchmarks/results/planner_costs.json).
 
 The memo keys a call by what decides its behaviour: the function or method, or for a module from
