@@ -120,3 +120,27 @@ def test_meta_measurement_is_what_cuda_allocates(layer):
     meta, cuda = _peaks(layer, "meta"), _peaks(layer.cuda(), "cuda")
     for measured, predicted in zip(cuda, meta):
         assert abs(measured - predicted) <= 0.02 * predicted + 4096
+
+
+class _NoMetaBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.device.type == "meta":
+            raise NotImplementedError("no meta kernel for this backward")
+        return grad * 3
+
+
+class NoMetaBackward(nn.Module):
+    def forward(self, x):
+        return _NoMetaBackward.apply(x)
+
+
+def test_a_backward_that_cannot_run_on_meta_gets_no_scratch_and_still_plans():
+    model = nn.Sequential(nn.Conv2d(16, 16, 1), NoMetaBackward(), nn.ReLU())
+    graph = capture(model, SHAPE)
+    assert graph.layers[1].backward_scratch == 0
+    assert sn.plan(model, SHAPE, "superneurons").peak_bytes > 0
