@@ -1,12 +1,12 @@
 """Scratch: the memory a layer needs only while it computes, which l_f and l_b do not name.
 
-A layer made of several operations (LocalResponseNorm is eight: pow, pad, avg_pool3d, mul, add,
-pow, div...) makes temporaries in its forward that it frees before it returns, and its backward
+A layer made of several operations (PyTorch's LocalResponseNorm: mul, pad, avg_pool3d, mul, add,
+pow, div) makes temporaries in its forward that it frees before it returns, and its backward
 makes more on its way through the chain rule. l_f counts a layer's inputs, outputs and saved
 tensors, l_b what the backward reads and the gradients it receives and writes; neither sees these
-temporaries. For AlexNet's LRN at batch 1100 the backward's are 4.8 GiB over an l_b of 7.2 GiB:
-the largest layer, max(l_i), is then what the step's peak cannot go below (BENCHMARKS.md, "The
-largest layer").
+temporaries. For AlexNet's LRN at batch 1100 the backward's are 3.6 GiB over the 7.2 GiB l_b
+named before (benchmarks/results/planner_costs_lrn.json): the largest layer, max(l_i), which a
+step's peak cannot go below (BENCHMARKS.md, "AlexNet and its LRN").
 
 Rule 1: a layer's scratch is measured, not modelled: its forward and then its backward run on the
         meta device under a dispatch mode that counts the bytes of every storage the operations
@@ -18,13 +18,14 @@ Rule 2: forward scratch = the peak of those bytes in the forward, less what is s
         receives) and the input gradients it returns (l_b counts them). Saved tensors freed as
         autograd goes lower the peak, as they do on the GPU.
 Rule 3: only input gradients are asked for: parameter gradients are resident, and a
-        convolution's weight gradient works in cuDNN's workspace, which the runtime sizes apart.
+        convolution's weight gradient works in cuDNN's workspace, which cuDNN fits into the
+        memory left (DESIGN.md, deviations).
 Rule 4: a layer whose backward cannot run on the meta device gets no backward scratch (the
         runtime's calibration then sees what it uses, as before).
 Rule 5: torch.nn layers whose backward is one kernel writing the input gradient (convolution,
         linear, batch norm, ReLU, pooling, dropout; cat and add) are not run backward: they have
-        no scratch to find, and their meta backward, a Python decomposition, would double the
-        planning time of a DenseNet-BC of 1,204 layers (10.5 to 19.2 s on a CPU).
+        no scratch to find, and their meta backward, a Python decomposition, about doubled the
+        capture time of a deep DenseNet-BC, whose layers all differ (the memo never hits).
 """
 
 import operator
