@@ -22,11 +22,11 @@ def conv_bn_relu(in_channels: int, out_channels: int, kernel_size, stride=1, pad
 
 class LocalResponseNorm(nn.LocalResponseNorm):
     """nn.LocalResponseNorm in one autograd step, a slice of the batch at a time: the same
-    function in a bit over half the memory of PyTorch's own.
+    function, its backward in under half the memory of PyTorch's own.
 
-    PyTorch builds LRN from seven operations and views, and autograd keeps what each one needs: for an
-    input of 1 unit, 3.04 units of saved intermediates and 3 units of temporaries in the backward
-    (capture/scratch.py measures them). It then is AlexNet's largest layer, max(l_i), and sets
+    PyTorch builds LRN from seven operations and views, and autograd keeps what each one needs:
+    for an input of 1 unit, 3.04 units of saved intermediates and 3 units of temporaries in the
+    backward (capture/scratch.py measures them). It then is AlexNet's largest layer, max(l_i), and sets
     the largest batch of every system alike (BENCHMARKS.md, largest batch). This one keeps the
     input and the denominator D = k + alpha * mean of the squares over `size` channels, and
     forms the gradient from them, as cuDNN's fused LRN does:
