@@ -26,10 +26,10 @@ class LocalResponseNorm(nn.LocalResponseNorm):
 
     PyTorch builds LRN from seven operations and views, and autograd keeps what each one needs:
     for an input of 1 unit, 3.04 units of saved intermediates and 3 units of temporaries in the
-    backward (capture/scratch.py measures them). It then is AlexNet's largest layer, max(l_i), and sets
-    the largest batch of every system alike (BENCHMARKS.md, largest batch). This one keeps the
-    input and the denominator D = k + alpha * mean of the squares over `size` channels, and
-    forms the gradient from them, as cuDNN's fused LRN does:
+    backward (capture/scratch.py measures them). It then is AlexNet's largest layer, max(l_i),
+    and sets the largest batch of every system alike (BENCHMARKS.md, largest batch). This one
+    keeps the input and the denominator D = k + alpha * mean of the squares over `size`
+    channels, and forms the gradient from them, as cuDNN's fused LRN does:
 
         dx = g * D^-beta - 2 * alpha * beta * x * mean over the window of (g * x * D^(-beta-1))
 
