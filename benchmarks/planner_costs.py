@@ -101,8 +101,7 @@ def densenet_host_bytes(depths=(100, 250, 400, 1000, 2200, 2902)) -> list:
         graph, by_kind = floor.graph, {}
         for buffer in floor.buffers:
             if buffer.managed:
-                creator = graph.storages[buffer.storage].creator
-                kind = "input" if creator is None else str(graph.layers[creator].kind)
+                kind = str(graph.layers[graph.storages[buffer.storage].creator].kind)
                 by_kind[kind] = by_kind.get(kind, 0) + buffer.nbytes
         rows.append({"depth": depth, "floor_peak_bytes": floor.peak_bytes,
                      "offloaded_bytes": floor.offloaded_bytes,
@@ -144,21 +143,23 @@ def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 12
 def lrn_costs(batches=(1080, 1100, 1575, 2205)) -> list:
     from torch import nn
     from superneurons.models import layers
-    variants = {"pytorch": nn.LocalResponseNorm, "one_step_whole_batch": layers.LocalResponseNorm,
-                "one_step_sliced": layers.LocalResponseNorm}
+    sliced = layers.CHUNK_BYTES
+    variants = {"pytorch": (nn.LocalResponseNorm, sliced),          # (class, slice bytes)
+                "one_step_whole_batch": (layers.LocalResponseNorm, 2**62),
+                "one_step_sliced": (layers.LocalResponseNorm, sliced)}
     rows = []
     for batch in batches:
-        for variant, lrn in variants.items():
-            chunk = layers.CHUNK_BYTES
-            if variant == "one_step_whole_batch":
-                layers.CHUNK_BYTES = 2**62
+        for variant, (lrn, slice_bytes) in variants.items():
             with torch.device("meta"):
                 model = models.build("alexnet")
             for index, module in enumerate(model):
                 if isinstance(module, nn.LocalResponseNorm):
                     model[index] = lrn(5)
-            plan = sn.plan(model, models.input_shape("alexnet", batch), "superneurons")
-            layers.CHUNK_BYTES = chunk
+            layers.CHUNK_BYTES = slice_bytes
+            try:
+                plan = sn.plan(model, models.input_shape("alexnet", batch), "superneurons")
+            finally:
+                layers.CHUNK_BYTES = sliced
             lrn1 = plan.graph.layers[2]
             rows.append({"batch": batch, "lrn": variant, "lrn1_l_f": plan.costs.forward[2],
                          "lrn1_l_b": plan.costs.backward[2],

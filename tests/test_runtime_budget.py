@@ -364,10 +364,10 @@ def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monke
     assert executor.allocator_counts(torch.empty(0))          # nothing to tell by: trust it
 
 
-def test_every_backward_step_that_reads_a_saved_tensor_is_entered(monkeypatch):
-    """A replayed layer's backward reads only its segment's slots: its step must still be entered
-    so the pool makes that step's room (AlexNet b1620 ran LRN1's backward at POOL1's accounting
-    and went out of memory)."""
+def test_the_backward_step_of_a_layer_with_scratch_is_entered(monkeypatch):
+    """Executor Rule 6: a replayed layer's backward reads only its segment's slots; where the
+    layer has scratch its step must still be entered so the pool makes that step's room
+    (AlexNet b1620 ran LRN1's backward at POOL1's accounting and went out of memory)."""
     from superneurons.runtime.executor import Executor
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -24,8 +24,8 @@ Rule 4: a layer whose backward cannot run on the meta device gets no backward sc
         runtime's calibration then sees what it uses, as before).
 Rule 5: torch.nn layers whose backward is one kernel writing the input gradient (convolution,
         linear, batch norm, ReLU, pooling, dropout; cat and add) are not run backward: they have
-        no scratch to find, and their meta backward, a Python decomposition, about doubled the
-        capture time of a deep DenseNet-BC, whose layers all differ (the memo never hits).
+        no scratch to find, and their meta backward is a Python decomposition, run once per
+        layer on a DenseNet-BC, whose layers all differ (the memo never hits).
 """
 
 import operator

@@ -82,6 +82,7 @@ class HostMemory:
                 region = chunk.carve(size, num_bytes)
                 if region is not None:
                     return region
+            # every chunk reclaims (a list, not any()'s short circuit)
             if attempt == 0 and not any([c.reclaim() for c in self.chunks.values()]):
                 break
         return self._grow(size).carve(size, num_bytes)
