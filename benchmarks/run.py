@@ -97,6 +97,8 @@ def batch_part(args) -> dict:
         for name in args.systems:
             began = time.time()
             bound = _host_bound(network, args.host_gib) if name == "save_on_cpu" else None
+            if args.below:                     # measured not to fit by an earlier run
+                bound = min(bound or args.below, args.below)
             batch, exact = largest(lambda b: fits(lambda: make(network, b, "cuda"), name,
                                                   **options_for(name, args.budget)),
                                    args.start or start_for(name, BATCH_START[network]),
@@ -392,6 +394,9 @@ def main():
     parser.add_argument("--start", type=int, default=None,
                         help="where bisections start (batch, ResNet n, DenseNet depth; default: "
                              "DESIGN.md's anchors)")
+    parser.add_argument("--below", type=int, default=None,
+                        help="batch: a batch an earlier run found not to fit; the bisection "
+                             "probes only below it (the record's bound)")
     parser.add_argument("--tag", default="", help="suffix of the record's file name")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="host memory save_on_cpu may fill (default: MemTotal; machines "
