@@ -140,7 +140,7 @@ def autocast_peaks(cases=(("resnet50", 140), ("resnet101", 96), ("resnet152", 12
     return rows
 
 
-def lrn_costs(batches=(1080, 1100, 1575, 2205)) -> list:
+def lrn_costs(batches=(1080, 1100, 1575, 2205, 2280)) -> list:
     from torch import nn
     from superneurons.models import layers
     sliced = layers.CHUNK_BYTES
