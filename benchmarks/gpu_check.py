@@ -16,9 +16,6 @@ import torch.nn.functional as F
 import superneurons as sn
 from common import make, sgd, sgd_step, system, throughput, write
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else "out"
-QUICK = "--quick" in sys.argv
-FITS_ONLY = "--fits-only" in sys.argv
 POLICIES = ["offload", "recompute", "superneurons"]
 WHOLE_BLOCKS = "superneurons, budget for whole-block replays"
 
@@ -186,34 +183,42 @@ def speed(name: str, batch: int, rounds: int = 3, steps: int = 8) -> dict:
     return result
 
 
-def main() -> None:
-    if FITS_ONLY:
+MEMORY_CASES = (("alexnet", 4), ("resnet50", 1), ("densenet121", 1))   # batch: size times this
+MEMORY_WHAT = ("device bytes per module step (activations, grads, params and the input; "
+               "optimizer state excluded)")
+
+
+def memory_records(size: int = 32) -> dict:
+    """memory_per_step for each of MEMORY_CASES (also run.py's memory part)."""
+    return {name: memory_per_step(name, times * size) for name, times in MEMORY_CASES}
+
+
+def main(argv: list) -> None:
+    out = argv[0] if argv else "out"
+    quick = "--quick" in argv
+    if "--fits-only" in argv:
         rounds, steps = 7, 24
     else:
-        check_runtime()
+        check_runtime(out, quick)
         rounds, steps = 3, 8
-    write(f"{OUT}/throughput_fits.json", {
+    write(f"{out}/throughput_fits.json", {
         "what": f"images/s, fp32, full SGD steps, no memory cap; {rounds} alternating rounds "
                 f"of {steps} steps for plain and the budget that fits",
         "resnet50_batch64": speed("resnet50", 64, rounds, steps),
         "densenet121_batch32": speed("densenet121", 32, rounds, steps)})
 
 
-def check_runtime() -> None:
-    sizes = {"equality": 4 if QUICK else 8, "memory": 8 if QUICK else 32}
-    write(f"{OUT}/cuda_equality.json", {
+def check_runtime(out: str, quick: bool) -> None:
+    size = 4 if quick else 8
+    write(f"{out}/cuda_equality.json", {
         "what": "3 SGD steps, deterministic cuDNN, each policy at its floor budget (and "
                 "superneurons at a budget where it replays whole blocks) vs plain",
-        "resnet50": equality("resnet50", sizes["equality"]),
-        "densenet121": equality("densenet121", sizes["equality"])})
-    records = {name: memory_per_step(name, batch) for name, batch in
-               [("alexnet", 4 * sizes["memory"]), ("resnet50", sizes["memory"]),
-                ("densenet121", sizes["memory"])]}
-    write(f"{OUT}/memory_per_step.json", {"what": "device bytes per module step (activations, "
-                                          "grads, params and the input; optimizer state excluded)",
-                                          "networks": records})
-    plot_memory(records, f"{OUT}/memory_per_step.png")
+        "resnet50": equality("resnet50", size),
+        "densenet121": equality("densenet121", size)})
+    records = memory_records(8 if quick else 32)
+    write(f"{out}/memory_per_step.json", {"what": MEMORY_WHAT, "networks": records})
+    plot_memory(records, f"{out}/memory_per_step.png")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -2,8 +2,8 @@
 
     python benchmarks/run.py PART [PART...] --out DIR [--cap-gib 12]
 
-PART: depth, batch, speed, densenet, recompute, cache, pool, workspace (memory per step:
-gpu_check.py).
+PART: depth, batch, speed, densenet, memory, recompute, cache, pool, workspace (exact training
+on CUDA and speed when the step fits: gpu_check.py).
 Every part writes DIR/PART.json with the command, device and versions. The card is capped at
 --cap-gib with torch.cuda.set_per_process_memory_fraction; superneurons gets the same budget.
 """
@@ -372,9 +372,19 @@ def workspace_part(args) -> dict:
                                                                      systems)}
 
 
+def memory_part(args) -> dict:
+    """Device bytes at every module step of one training step against the plan's prediction,
+    each policy at its floor (the paper's Figure 10; gpu_check.py measures it); plotted beside
+    the record."""
+    import gpu_check
+    records = gpu_check.memory_records()
+    gpu_check.plot_memory(records, os.path.join(args.out, f"memory{args.tag}.png"))
+    return {"what": gpu_check.MEMORY_WHAT, "networks": records}
+
+
 PARTS = {"depth": depth_part, "batch": batch_part, "speed": speed_part,
-         "densenet": densenet_part, "recompute": recompute_part, "cache": cache_part,
-         "pool": pool_part, "workspace": workspace_part}
+         "densenet": densenet_part, "memory": memory_part, "recompute": recompute_part,
+         "cache": cache_part, "pool": pool_part, "workspace": workspace_part}
 
 
 def main():

@@ -64,3 +64,21 @@ def test_isolated_speed_runs_each_network_and_system_in_a_child_and_merges_the_r
     assert len(commands) == 4 and all("--batches" not in c for c in commands)  # the part's own
     assert commands[0][commands[0].index("--dtypes") + 1:][:2] == ["fp32", "bf16"]
     assert len(saved) == 4                       # a record after each network and system
+
+
+def test_the_memory_part_measures_each_network_and_plots_beside_the_record(monkeypatch, tmp_path):
+    import argparse
+    import gpu_check
+    import run
+    measured = []
+
+    def memory_per_step(name, batch):
+        measured.append((name, batch))
+        return {"liveness": {"steps": [{"measured_peak_bytes": 2**20, "predicted_bytes": 2**20}]}}
+    monkeypatch.setattr(gpu_check, "memory_per_step", memory_per_step)
+    args = argparse.Namespace(out=str(tmp_path), tag="_stub")
+    result = run.PARTS["memory"](args)
+    assert measured == [("alexnet", 128), ("resnet50", 32), ("densenet121", 32)]
+    assert set(result["networks"]) == {"alexnet", "resnet50", "densenet121"}
+    assert "input" in result["what"]
+    assert (tmp_path / "memory_stub.png").stat().st_size > 0

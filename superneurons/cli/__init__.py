@@ -1,1 +1,1 @@
-"""The command line: superneurons plan | train | bench | demo."""
+"""The command line: superneurons plan | train | demo (the benchmarks: benchmarks/run.py)."""
