@@ -12,9 +12,12 @@
   the speed part, against the budget: where it fits, the wrapped model runs untouched
   (planner_costs_autocast.json);
 - with --lrn alone: AlexNet's LRN1 (l_f, l_b, scratch) and the superneurons floor with PyTorch's
-  LRN, the one-step LRN over the whole batch and the sliced one (planner_costs_lrn.json).
+  LRN, the one-step LRN over the whole batch and the sliced one (planner_costs_lrn.json);
+- with --alexnet-anchor alone: the liveness peak of the zoo's AlexNet (the paper's) and of
+  torchvision's layout at the batches of DESIGN.md's anchors (planner_costs_alexnet_anchor.json).
 
-    python benchmarks/planner_costs.py [--densenet | --densenet-host | --autocast | --lrn] [OUT]
+    python benchmarks/planner_costs.py [--densenet | --densenet-host | --autocast | --lrn |
+                                        --alexnet-anchor] [OUT]
 """
 
 import importlib
@@ -170,6 +173,36 @@ def lrn_costs(batches=(1080, 1100, 1575, 2205, 2280)) -> list:
     return rows
 
 
+def torchvision_alexnet():
+    """torchvision's AlexNet layout (64 filters in conv1, no LRN), written out here so that no
+    torchvision is needed."""
+    from torch import nn
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.AdaptiveAvgPool2d((6, 6)), nn.Flatten(), nn.Dropout(),
+        nn.Linear(9216, 4096), nn.ReLU(inplace=True), nn.Dropout(),
+        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Linear(4096, 1000), nn.LogSoftmax(1))
+
+
+def alexnet_anchor_peaks(batches=(1400, 2205, 2560, 2880)) -> list:
+    """Liveness peak (what plain PyTorch holds) and superneurons floor of both AlexNets at 224 px,
+    bytes."""
+    variants = {"zoo (the paper's: 96 filters in conv1, LRN)": models.build("alexnet"),
+                "torchvision layout (64 filters in conv1, no LRN)": torchvision_alexnet()}
+    rows = []
+    for name, model in variants.items():
+        for batch in batches:
+            shape = (batch, 3, 224, 224)           # as every benchmark runs both
+            rows.append({"model": name, "batch": batch,
+                         "liveness_peak_bytes": sn.plan(model, shape, "liveness").peak_bytes,
+                         "superneurons_floor_bytes": sn.plan(model, shape).peak_bytes})
+    return rows
+
+
 def main():
     arguments = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = arguments[0] if arguments else os.path.join(os.path.dirname(__file__), "results")
@@ -185,6 +218,10 @@ def main():
     if "--autocast" in sys.argv:
         write(os.path.join(out, "planner_costs_autocast.json"),
               {"budget_bytes": BUDGET, "autocast": autocast_peaks()})
+        return
+    if "--alexnet-anchor" in sys.argv:
+        write(os.path.join(out, "planner_costs_alexnet_anchor.json"),
+              {"alexnet": alexnet_anchor_peaks()})
         return
     if "--lrn" in sys.argv:
         write(os.path.join(out, "planner_costs_lrn.json"), {"alexnet": lrn_costs()})
