@@ -287,10 +287,10 @@ class Executor:
 
     def _unpack(self, handle):
         step = None
-        if isinstance(handle, list):               # [tensor or handle, step] once resolved
-            step = handle[1] if len(handle) > 1 else None
+        if isinstance(handle, list):      # a holder: [tensor or handle, the step reading it]
+            step = handle[1] if len(handle) > 1 else None                # (once resolved)
             handle = handle[0]
-        if not isinstance(handle, torch.Tensor):
+        elif isinstance(handle, SlotRef):   # saved inside a segment: it carries its step
             step = handle.step
         if step is not None and (isinstance(handle, PoolRef) or step in self.scratch_steps):
             self._enter_backward_step(step)                                   # Rule 6
@@ -343,7 +343,7 @@ class Executor:
                 holder[0] = self._pool_ref(storage, tensor, step)
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
-                holder[0] = ValueRef(record, value, view_of(tensor), step)
+                holder[0] = ValueRef(record, value, view_of(tensor))
         self.pending = []
 
     def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,

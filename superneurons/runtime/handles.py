@@ -52,8 +52,10 @@ class SlotRef:
 
     __slots__ = ("record", "key", "step")
 
-    def __init__(self, record, key, step: int):
-        self.record, self.key, self.step = record, key, step    # step: the backward that reads it
+    def __init__(self, record, key, step: int | None = None):
+        # step: the backward that reads it (one saved inside a segment goes to autograd as is;
+        # a ValueRef sits in a holder that carries the step)
+        self.record, self.key, self.step = record, key, step
         record.hold(key)
 
     def get(self) -> torch.Tensor:
@@ -68,8 +70,8 @@ class ValueRef(SlotRef):
 
     __slots__ = ("view",)
 
-    def __init__(self, record, value: int, view, step: int):
-        super().__init__(record, ("value", value), step)
+    def __init__(self, record, value: int, view):
+        super().__init__(record, ("value", value))
         self.view = view
 
     def get(self) -> torch.Tensor:
