@@ -24,9 +24,8 @@ class Temporaries(nn.Module):
 
 
 def _lrn_layer(lrn):
-    graph = capture(nn.Sequential(nn.Conv2d(16, 16, 1), lrn), SHAPE)
     plan = sn.plan(nn.Sequential(nn.Conv2d(16, 16, 1), lrn), SHAPE, "liveness")
-    return graph.layers[1], plan.costs.forward[1] / UNIT, plan.costs.backward[1] / UNIT
+    return plan.graph.layers[1], plan.costs.forward[1] / UNIT, plan.costs.backward[1] / UNIT
 
 
 def test_pytorch_lrn_backward_scratch_counts_in_l_b():
@@ -50,11 +49,10 @@ def test_one_step_lrn_needs_little_over_half(monkeypatch):
 
 
 def test_user_layer_forward_temporaries_are_scratch():
-    graph = capture(nn.Sequential(nn.Conv2d(16, 16, 1), Temporaries()), SHAPE)
-    layer = graph.layers[1]
+    plan = sn.plan(nn.Sequential(nn.Conv2d(16, 16, 1), Temporaries()), SHAPE, "liveness")
+    layer = plan.graph.layers[1]
     output = 8 * 1 * 10 * 10 * 4
     assert layer.forward_scratch == 2 * UNIT - output       # x * 2 and + 1, less the output
-    plan = sn.plan(nn.Sequential(nn.Conv2d(16, 16, 1), Temporaries()), SHAPE, "liveness")
     assert "scratch" in plan.live_at(1)
 
 
