@@ -1,12 +1,14 @@
 """superneurons plan: every policy's predicted peak for a zoo network, without a GPU."""
 
+import argparse
+
 import torch
 
 from .. import models
 from ..capture import capture
 from ..planner import Policy, plan_graph
 from ..planner.policy import CHECKPOINT_KINDS
-from ..units import format_bytes
+from ..units import format_bytes, parse_bytes
 from .output import plot_steps, print_table, write_json
 
 POLICIES = [p for p in Policy if p is not Policy.AUTO]
@@ -20,8 +22,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plot", help="write a PNG of memory per step for every policy here")
     parser.add_argument("--explain", action="store_true",
                         help="print the superneurons plan (with --budget: the plan auto picks)")
-    parser.add_argument("--budget", help="also plan within this budget (e.g. 11.5GiB): the "
-                                         "policy auto picks, its replays and the bytes it moves")
+    parser.add_argument("--budget", type=budget,
+                        help="also plan within this budget (e.g. 11.5GiB): the policy auto picks, "
+                             "its replays and the bytes it moves")
     parser.add_argument("--bf16", action="store_true",
                         help="a step under torch.autocast('cuda', dtype=torch.bfloat16)")
 
@@ -32,6 +35,14 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--image", type=int, help="image size in pixels (default: the usual)")
     parser.add_argument("--depth", type=int, help="depth for 'resnet' and 'densenet'")
     parser.add_argument("--growth", type=int, help="growth rate for DenseNet")
+
+
+def budget(text: str) -> int:
+    """--budget as bytes, read by the parser: a bad size stops there, before a model is built."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:   # argparse shows this message; a ValueError it would replace
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_meta(args):

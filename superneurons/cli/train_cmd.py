@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import models, wrap
 from ..units import format_bytes
 from .output import print_table
-from .plan_cmd import add_model_arguments
+from .plan_cmd import add_model_arguments, budget
 
 
 def add_arguments(parser) -> None:
@@ -20,8 +20,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--policy", default="superneurons",
                         help="baseline, liveness, offload, recompute, superneurons or auto")
-    parser.add_argument("--budget", help="device memory for the step, e.g. 12GiB (default: the "
-                                         "policy's own floor)")
+    parser.add_argument("--budget", type=budget,
+                        help="device memory for the step, e.g. 12GiB (default: the policy's own "
+                             "floor)")
     parser.add_argument("--strategy", default="cost-aware")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cpu", "cuda"])

@@ -1,0 +1,61 @@
+"""Bad input gets a clear answer: budgets that are not a count of bytes, on the library's side
+and on the command line's, and sn.models reached as torchvision.models is."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from superneurons import models
+from superneurons.cli import plan_cmd
+from superneurons.cli.main import main
+from superneurons.units import parse_bytes
+
+
+def test_a_fractional_budget_is_refused_not_truncated_to_one_byte():
+    for fraction in (1.5, 0.5, "1.5", "0.5 B"):
+        with pytest.raises(ValueError, match=r"whole number of bytes.*'1\.5GiB'"):
+            parse_bytes(fraction)
+    assert parse_bytes(12e9) == 12_000_000_000 and type(parse_bytes(12e9)) is int
+    assert parse_bytes("1.5KB") == 1500
+
+
+def test_nan_and_infinite_budgets_are_refused():
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="finite number of bytes"):
+            parse_bytes(bad)
+
+
+def test_sn_models_needs_no_import_of_its_own():
+    code = ("import sys, superneurons as sn; "
+            "assert 'superneurons.models' not in sys.modules, 'the zoo loaded eagerly'; "
+            "print(type(sn.models.resnet(50)).__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ResNet"
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+@pytest.mark.parametrize("size, says", [("1.5x", "cannot read the size '1.5x'"),
+                                        ("1.5", "'1.5GiB'"), ("nan", "cannot read the size")])
+def test_cli_refuses_a_bad_budget_before_building_a_model(command, size, says, monkeypatch,
+                                                          capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built for a bad --budget")
+    monkeypatch.setattr(models, "build", never)
+    monkeypatch.setattr(plan_cmd, "build_meta", never)
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "resnet50", "--batch", "8", "--budget", size])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--budget" in err and says in err
+
+
+def test_cli_bad_budget_exits_without_a_traceback():
+    done = subprocess.run([sys.executable, "-m", "superneurons.cli.main", "plan", "resnet50",
+                           "--batch", "8", "--budget", "1.5x"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "--budget" in done.stderr
