@@ -54,6 +54,10 @@ class Layer:
     module: torch.nn.Module | None = None
     forward_scratch: int = 0  # bytes its computation needs beyond l_f, then frees (scratch.py)
     backward_scratch: int = 0  # likewise beyond l_b
+    flops: int = 0            # arithmetic of one forward (kinds.flops_of): a replay's cost
+    path: str = ""            # the module it belongs to, for per-block summaries
+    state_reads: tuple = ()   # get_attr nodes of model state it reads (parameters, buffers)
+    state_writes: tuple = ()  # those it writes in place (running statistics, spectral norm)
 
     @property
     def internal_saved_bytes(self) -> int:
@@ -73,6 +77,9 @@ class LayerGraph:
     buffer_bytes: int
     graph_module: torch.fx.GraphModule
     order_deps: dict = field(default_factory=dict)   # layer -> layers it must follow (not data)
+    input_nodes: tuple = ()   # the placeholder behind each input value
+    out_spec: object = None   # pytree spec rebuilding the model's output (exported graphs)
+    in_spec: object = None    # pytree spec the model's (args, kwargs) flatten by
 
     @property
     def resident_bytes(self) -> int:

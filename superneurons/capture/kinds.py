@@ -1,15 +1,17 @@
 """The layer vocabulary of the paper, and how a traced node maps onto it."""
 
 import enum
+import math
 import operator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 
 class Kind(str, enum.Enum):
-    """Layer kinds. CONV and FC are expensive (checkpoints); the rest are cheap to recompute."""
+    """Layer kinds. CONV, FC and ATTN are expensive (checkpoints); the rest are cheap to recompute."""
 
     CONV = "CONV"
     FC = "FC"
@@ -19,6 +21,7 @@ class Kind(str, enum.Enum):
     LRN = "LRN"
     DROPOUT = "DROPOUT"
     SOFTMAX = "SOFTMAX"
+    ATTN = "ATTN"      # attention: two matrix products per head
     JOIN = "JOIN"      # element-wise add of branches (ResNet)
     CONCAT = "CONCAT"  # concatenation of branches (Inception, DenseNet)
     OTHER = "OTHER"    # flatten, reshape, getitem and the rest
@@ -55,8 +58,31 @@ _FUNCTION_KINDS = {
 _METHOD_KINDS = {"add": Kind.JOIN, "add_": Kind.JOIN, "__iadd__": Kind.JOIN, "relu": Kind.ACT,
                  "relu_": Kind.ACT, "sigmoid": Kind.ACT, "softmax": Kind.SOFTMAX,
                  "log_softmax": Kind.SOFTMAX}
-_RANDOM_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, torch.bernoulli,
-                     torch.rand, torch.randn, torch.rand_like, torch.randn_like}
+# ATen operations (graphs captured by torch.export) by the name of their overload packet
+_ATEN_KINDS = {
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
+                     "conv_transpose2d", "conv_transpose3d", "_convolution"), Kind.CONV),
+    **dict.fromkeys(("linear", "addmm", "mm", "bmm", "matmul", "baddbmm", "einsum",
+                     "bilinear"), Kind.FC),
+    **dict.fromkeys(("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_cudnn_attention"), Kind.ATTN),
+    **dict.fromkeys(("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d",
+                     "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+                     "adaptive_avg_pool3d", "adaptive_max_pool2d", "max_pool2d_with_indices"),
+                    Kind.POOL),
+    **dict.fromkeys(("relu", "relu_", "relu6", "gelu", "gelu_", "silu", "silu_", "sigmoid",
+                     "sigmoid_", "tanh", "tanh_", "hardswish", "hardswish_", "hardsigmoid",
+                     "hardsigmoid_", "leaky_relu", "leaky_relu_", "elu", "elu_", "mish",
+                     "softplus", "hardtanh", "hardtanh_", "prelu"), Kind.ACT),
+    **dict.fromkeys(("batch_norm", "layer_norm", "group_norm", "rms_norm", "instance_norm",
+                     "native_batch_norm", "native_layer_norm"), Kind.BN),
+    **dict.fromkeys(("dropout", "dropout_", "feature_dropout", "alpha_dropout",
+                     "native_dropout"), Kind.DROPOUT),
+    **dict.fromkeys(("softmax", "_softmax", "log_softmax", "_log_softmax"), Kind.SOFTMAX),
+    **dict.fromkeys(("add", "add_"), Kind.JOIN),
+    **dict.fromkeys(("cat", "concat"), Kind.CONCAT),
+}
 
 
 def kind_of(node: torch.fx.Node, module: nn.Module | None) -> Kind:
@@ -66,18 +92,32 @@ def kind_of(node: torch.fx.Node, module: nn.Module | None) -> Kind:
                 return kind
         return Kind.OTHER
     if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):
+            return _ATEN_KINDS.get(node.target.overloadpacket.__name__, Kind.OTHER)
         return _FUNCTION_KINDS.get(node.target, Kind.OTHER)
     if node.op == "call_method":
         return _METHOD_KINDS.get(node.target, Kind.OTHER)
     return Kind.OTHER
 
 
-def is_random(node: torch.fx.Node, module: nn.Module | None, kind: Kind) -> bool:
-    """Whether the layer draws random numbers, so a recomputation must replay them."""
-    if kind is Kind.DROPOUT:
-        return True
-    if node.op == "call_function":
-        return node.target in _RANDOM_FUNCTIONS
-    if node.op == "call_method":
-        return node.target in {"bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
-    return False
+def flops_of(kind: Kind, node: torch.fx.Node, module, args, outputs: list) -> int:
+    """Multiply-adds x 2 of a convolution, matrix product or attention (0 for the rest), from
+    the shapes the layer ran with: what replaying it costs in arithmetic."""
+    if kind not in (Kind.CONV, Kind.FC, Kind.ATTN) or not outputs:
+        return 0
+    out = outputs[0]
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):                      # a torch.nn module
+        return 2 * out.numel() * math.prod(weight.shape[1:])
+    tensors = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    if kind is Kind.CONV and len(tensors) >= 2:
+        return 2 * out.numel() * math.prod(tensors[1].shape[1:])
+    if kind is Kind.ATTN and len(tensors) >= 3:             # QK^T and PV: 2 x (L x S x E)
+        query, key = tensors[0], tensors[1]
+        return 4 * query.numel() * key.shape[-2]
+    if kind is Kind.FC and tensors:                # reduce over the left operand's last dim
+        packet = getattr(node.target, "overloadpacket", None)
+        left = tensors[1] if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) \
+            and len(tensors) > 1 else tensors[0]
+        return 2 * out.numel() * left.shape[-1] if left.dim() else 0
+    return 0

@@ -12,7 +12,7 @@ module is never memoized: its behaviour may hang on attributes its repr does not
 
 What it keeps per call: which inputs were written in place, and for every output leaf and saved
 tensor whether it is an input, a view of one, an output, a new storage (with its bytes) or a
-constant; and the layer's scratch bytes.
+constant; the layer's scratch bytes, and whether it draws random numbers.
 """
 
 import torch
@@ -69,7 +69,8 @@ class Pattern:
     """How one call behaved, in terms of its inputs' positions (``fresh``: the layer's fresh
     input tensors in order of first use)."""
 
-    def __init__(self, result, fresh: list, mutated: list, saved: list, scratch: tuple):
+    def __init__(self, result, fresh: list, mutated: list, saved: list, scratch: tuple,
+                 random: bool):
         position = {id(t): k for k, t in enumerate(fresh)}
         leaves, self.spec = pytree.tree_flatten(result)
         self.leaves = []                   # (kind, constant or input position, tensor spec)
@@ -85,6 +86,7 @@ class Pattern:
         self.mutated = tuple(mutated)      # input positions written in place
         self.saved = tuple(saved)          # ("output", j) / ("input", k) / ("internal", nbytes)
         self.scratch = scratch             # (forward, backward) scratch bytes (scratch.py)
+        self.random = random               # it draws random numbers
 
     def result(self, fresh: list):
         """Meta tensors like the original outputs: inputs as themselves, views as views of them,

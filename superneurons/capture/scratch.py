@@ -43,7 +43,14 @@ _ONE_KERNEL_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear,
                        nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
                        nn.AdaptiveAvgPool3d, nn.Dropout, nn.Identity, nn.Flatten)
 _ONE_KERNEL_FUNCTIONS = {torch.cat, torch.add, operator.add, operator.iadd, torch.flatten,
-                         torch.relu, torch.nn.functional.relu}
+                         torch.relu, torch.nn.functional.relu, operator.getitem}
+# the same for ATen operations (exported graphs), by overload packet; views have no backward
+_ONE_KERNEL_ATEN = {"conv1d", "conv2d", "conv3d", "convolution", "linear", "addmm", "mm", "bmm",
+                    "batch_norm", "layer_norm", "relu", "relu_", "max_pool2d", "avg_pool2d",
+                    "adaptive_avg_pool2d", "dropout", "add", "add_", "cat", "view", "reshape",
+                    "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand",
+                    "split", "slice", "select", "contiguous", "embedding", "gelu", "silu",
+                    "alias", "clone", "_to_copy", "to", "detach"}
 
 
 def one_kernel_backward(node, module) -> bool:
@@ -52,20 +59,37 @@ def one_kernel_backward(node, module) -> bool:
         return type(module) in _ONE_KERNEL_MODULES or (
             isinstance(module, nn.modules.batchnorm._BatchNorm)
             and type(module).__module__.startswith("torch.nn"))
-    return node.op == "call_function" and node.target in _ONE_KERNEL_FUNCTIONS
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target.overloadpacket.__name__ in _ONE_KERNEL_ATEN
+    return node.target in _ONE_KERNEL_FUNCTIONS
 
 
 class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of storages made by operations under it while they live (Rule 1)."""
+    """Counts the bytes of storages made by operations under it while they live (Rule 1), and
+    notes whether any of them draws random numbers (a replay must draw the same) and which
+    tensors they write in place (meta kernels may skip the write, so the version counter cannot
+    tell)."""
 
     def __init__(self):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.random = False
+        self.written: set = set()      # id() of tensors an operation wrote in place
         self._tracked = set()          # id() of live storages; a finalizer removes each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random = True
+        for argument, value in zip(func._schema.arguments, args):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                self.written.add(id(value))
+        if func is torch.ops.aten.native_batch_norm.default and args[5]:
+            # training updates its running statistics, which its schema does not declare
+            self.written.update(id(t) for t in args[3:5] if t is not None)
         returns = func._schema.returns
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         for position, tensor in enumerate(leaves):

@@ -1,7 +1,10 @@
-"""Capture: trace any nn.Module down to its leaf layers, then run it on the meta device.
+"""Capture: any nn.Module as a graph of layers, then each layer run on the meta device.
 
-Rule 1: a leaf layer is a module without children (Conv2d, BatchNorm2d, or a user's own small
-        module); functions and tensor methods between leaves (add, cat, flatten) are layers too.
+Rule 1: a model whose forward code the project wrote (the zoo, torch.nn containers) is traced by
+        torch.fx down to its leaf modules, which run as layers; functions and tensor methods
+        between leaves (add, cat, flatten) are layers too. Any other model is captured by
+        torch.export (export.py), whose ATen operations are the layers: fx drops grad-mode and
+        autocast regions and cannot follow control flow, export keeps them.
 Rule 2: nothing real is allocated: every layer runs on meta tensors, so shapes, saved tensors
         and bytes come for free, on any machine, for networks of thousands of layers.
 Rule 3: each layer is run in isolation on fresh inputs, so that what autograd saves, what aliases
@@ -11,7 +14,8 @@ Rule 4: a layer that looks like one already run (memo.py) is not run again: its 
 Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autocast.py), so
         their outputs and saved tensors have the dtypes and bytes autocast gives them.
 Rule 6: each layer's forward and backward scratch, the temporaries l_f and l_b do not name, is
-        measured in that run (scratch.py).
+        measured in that run (scratch.py), and so is whether it draws random numbers (any
+        operation tagged nondeterministic_seeded): a replay must draw the same ones.
 """
 
 import contextlib
@@ -23,10 +27,14 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
 from .autocast import AutocastOnMeta
+from .export import export_graph, hooks_of, module_path
 from .graph import Layer, LayerGraph, Saved, Storage, Value
-from .kinds import is_random, kind_of
+from .kinds import flops_of, kind_of
 from .memo import Pattern, memo_key
 from .scratch import LiveBytes, backward_scratch, one_kernel_backward
+
+
+_META = torch.device("meta")
 
 
 class _LeafTracer(fx.Tracer):
@@ -53,33 +61,80 @@ def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return meta.requires_grad_(tensor.requires_grad)
 
 
-def _layer_name(node: fx.Node, seen: dict) -> str:
+def _layer_name(node: fx.Node, seen: dict, exported: bool) -> str:
+    """A module's name for a leaf module; for an exported operation, its module and node."""
     base = node.target if node.op == "call_module" else node.name
+    if exported and module_path(node):
+        base = f"{module_path(node)}:{node.name}"
     seen[base] = seen.get(base, 0) + 1
     return base if seen[base] == 1 else f"{base}#{seen[base]}"
 
 
-def capture(model: nn.Module, example_input, autocast=None) -> LayerGraph:
-    """The layer graph of ``model`` for inputs shaped like ``example_input``; ``autocast``:
-    (device type, dtype) of the torch.autocast the step will run under, or None."""
-    if isinstance(example_input, (tuple, list)):          # a shape (torch.Size is a tuple)
-        if not all(isinstance(d, int) and d > 0 for d in example_input):
+def example_args(example_input) -> tuple:
+    """The model's positional arguments from what a user passes as an example: a tensor, a shape
+    tuple (a meta tensor of that shape) or a tuple of the model's arguments."""
+    if isinstance(example_input, torch.Tensor):
+        return (example_input,)
+    if isinstance(example_input, (tuple, list)) and example_input and \
+            all(isinstance(d, int) and not isinstance(d, bool) for d in example_input):
+        if not all(d > 0 for d in example_input):
             raise ValueError(f"an input shape must be positive integers, got {tuple(example_input)}")
-        example = torch.empty(tuple(example_input), device="meta")
-    elif isinstance(example_input, torch.Tensor):
-        example = _meta_like(example_input.detach())
+        return (torch.empty(tuple(example_input), device="meta"),)
+    if isinstance(example_input, (tuple, list)):
+        return tuple(example_input)
+    raise ValueError("example_input must be a tensor (any device, meta included), a shape tuple "
+                     "such as (32, 3, 224, 224), or a tuple of the model's positional arguments, "
+                     f"not {type(example_input).__name__}")
+
+
+def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Rule 1: fx replays a forward exactly only where the project knows that forward: one
+    tensor in, modules with children from the zoo or torch.nn's containers, no hooks."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
+        return False
+    return all(not module._modules or type(module) in _CONTAINERS
+               or type(module).__module__.startswith("superneurons.models")
+               for module in model.modules())
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def capture(model: nn.Module, example_input, autocast=None, kwargs=None) -> LayerGraph:
+    """The layer graph of ``model`` called like ``model(*example_args(example_input),
+    **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
+    under, or None."""
+    args, kwargs = example_args(example_input), dict(kwargs or {})
+    if _fx_is_exact(model, args, kwargs):
+        gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
-        raise ValueError("example_input must be a tensor (any device, meta included) or a shape "
-                         f"tuple such as (32, 3, 224, 224), not {type(example_input).__name__}")
-    gm = trace(model)
-    return _Analyzer(gm, autocast).run(example)
+        exported = export_graph(model, args, kwargs)
+        gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
+        flat = flat_inputs(in_spec, args, kwargs)
+    meta = [_meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
+    graph = _Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    graph.in_spec, graph.out_spec = in_spec, out_spec
+    graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return graph
+
+
+def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:
+    """The graph's inputs from a call's (args, kwargs), flattened as export's spec orders them;
+    a ValueError where the call's structure differs (another argument, a missing keyword)."""
+    from torch.fx._pytree import tree_flatten_spec
+    try:
+        return list(tree_flatten_spec((tuple(args), dict(kwargs)), in_spec))
+    except Exception as error:  # noqa: BLE001 -- pytree raises several kinds
+        raise ValueError(f"the call's arguments do not match the captured signature: {error}") \
+            from error
 
 
 class _Analyzer:
     """Walks the traced graph once, running each layer on meta tensors (Rules 2 and 3)."""
 
-    def __init__(self, gm: fx.GraphModule, autocast=None):
-        self.gm = gm
+    def __init__(self, gm: fx.GraphModule, autocast=None, exported: bool = False):
+        self.gm, self.exported = gm, exported
         # (device type, dtype) or None: made here so that a bad one fails before any layer runs
         self.autocast = AutocastOnMeta(*autocast) if autocast else None
         self.values: list = []
@@ -90,6 +145,8 @@ class _Analyzer:
         self.meta_state: dict = {}   # module -> {name: meta tensor} for functional calls
         self.meta_tensors: list = []  # keeps env tensors alive so their ids stay unique
         self.attr_ids: set = set()    # meta twins of tensors read with get_attr (model state)
+        self.attr_node: dict = {}     # id(meta twin) -> its get_attr node
+        self.layer_of: dict = {}      # fx node -> index of the layer it is
         self.memo: dict = {}          # memo key -> Pattern (Rule 4)
 
     def _new_value(self, tensor, producer, storage, requires_grad) -> tuple:
@@ -112,28 +169,37 @@ class _Analyzer:
                                        if t is not None and t.device.type != "meta"}
         return self.meta_state[module]
 
-    def run(self, example: torch.Tensor) -> LayerGraph:
+    def run(self, flat_inputs: list) -> LayerGraph:
         names, last_call_of_module, last_random = {}, {}, None
-        order_deps, inputs, outputs = {}, [], ()
+        order_deps, inputs, input_nodes, outputs = {}, [], [], ()
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(flat_inputs):
+            raise ValueError(f"the model takes {len(placeholders)} inputs as captured, the "
+                             f"example gave {len(flat_inputs)}")
+        given = dict(zip(placeholders, flat_inputs))
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
-                if inputs:
-                    raise ValueError("superneurons handles models with one tensor input; wrap the "
-                                     "others into the module or pass them as constants")
+                example = given[node]
+                if not isinstance(example, torch.Tensor):
+                    self.env[node] = example              # a constant the graph specialized on
+                    continue
                 storage = self._new_storage(example.untyped_storage().nbytes(), None)
-                self.env[node], index = self._new_value(example, None, storage, example.requires_grad)
+                self.env[node], index = self._new_value(example, None, storage,
+                                                        example.requires_grad)
                 inputs.append(index)
+                input_nodes.append(node)
             elif node.op == "get_attr":
                 attr = operator.attrgetter(node.target)(self.gm)
                 self.env[node] = _meta_like(attr) if isinstance(attr, torch.Tensor) else attr
                 self.attr_ids.add(id(self.env[node]))
+                self.attr_node[id(self.env[node])] = node
             elif node.op == "output":
                 outputs = tuple(self.value_of[id(t)] for t in
                                 pytree.tree_leaves(fx.node.map_arg(node.args[0], self.env.get))
-                                if isinstance(t, torch.Tensor))
+                                if isinstance(t, torch.Tensor) and id(t) in self.value_of)
             else:
-                layer = self._run_layer(node, _layer_name(node, names))
-                deps = set()
+                layer, deps = self._run_layer(node, _layer_name(node, names, self.exported))
+                self.layer_of[node] = layer.index
                 if layer.random:
                     if last_random is not None:
                         deps.add(last_random)  # replay random numbers in program order
@@ -144,15 +210,64 @@ class _Analyzer:
                     last_call_of_module[layer.module] = layer.index
                 if deps:
                     order_deps[layer.index] = deps
+        if self.exported:
+            self._name_by_module()
         self._order_in_place_writes(order_deps)
-        params = {id(p): p for p in self.gm.parameters()}
-        buffers = {id(b): b for b in self.gm.buffers()}
+        self._order_state(order_deps)
+        self._refuse_writes_to_saved()
         return LayerGraph(
             layers=self.layers, values=self.values, storages=self.storages,
-            input_values=tuple(inputs), output_values=outputs,
-            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
-            buffer_bytes=sum(b.numel() * b.element_size() for b in buffers.values()),
-            graph_module=self.gm, order_deps=order_deps)
+            input_values=tuple(inputs), output_values=outputs, param_bytes=0, buffer_bytes=0,
+            graph_module=self.gm, order_deps=order_deps, input_nodes=tuple(input_nodes))
+
+    def _name_by_module(self) -> None:
+        """A module that ran as one operation is named as the module alone."""
+        count: dict = {}
+        for layer in self.layers:
+            count[layer.path] = count.get(layer.path, 0) + 1
+        for layer in self.layers:
+            if layer.path and count[layer.path] == 1:
+                layer.name = layer.path
+
+    def _order_state(self, order_deps: dict) -> None:
+        """Model state written in place (running statistics) is read and written in program
+        order: a writer follows every earlier reader, a reader follows the last writer."""
+        readers, writer = {}, {}
+        for layer in self.layers:
+            deps = set()
+            for node in layer.state_reads:
+                if node in writer:
+                    deps.add(writer[node])
+            for node in layer.state_writes:
+                deps.update(readers.get(node, ()))
+            deps.discard(layer.index)
+            if deps:
+                order_deps.setdefault(layer.index, set()).update(deps)
+            for node in layer.state_reads:
+                readers.setdefault(node, []).append(layer.index)
+            for node in layer.state_writes:
+                writer[node] = layer.index
+
+    def _refuse_writes_to_saved(self) -> None:
+        """Plain PyTorch raises in backward when a tensor saved for it was written in place
+        since; the runtime's saved-tensor hooks skip that check, so it is made here, before a
+        step runs, for every layer whose backward takes part in the step."""
+        saved_by: dict = {}       # storage -> the first layer that saved it for backward
+        for layer in self.layers:
+            for storage in layer.mutates:
+                saver = saved_by.get(storage)
+                if saver is not None and saver != layer.index:
+                    first = self.layers[saver]
+                    raise ValueError(
+                        f"layer {layer.name!r} ({layer.node.format_node()}) writes in place into "
+                        f"a tensor that layer {first.name!r} saved for its backward; plain "
+                        "PyTorch would fail in backward ('one of the variables needed for "
+                        "gradient computation has been modified by an inplace operation'). Use "
+                        "the out-of-place operation (x = x * 2, not x.mul_(2)).")
+            if any(self.values[v].requires_grad for v in layer.outputs):
+                for entry in layer.saved:
+                    if entry.value is not None:
+                        saved_by.setdefault(self.values[entry.value].storage, layer.index)
 
     def _order_in_place_writes(self, order_deps: dict) -> None:
         """A layer writing a storage in place runs after every earlier reader of that storage."""
@@ -165,16 +280,21 @@ class _Analyzer:
             for value in layer.inputs:
                 readers.setdefault(self.values[value].storage, []).append(layer.index)
 
-    def _run_layer(self, node: fx.Node, name: str) -> Layer:
+    def _run_layer(self, node: fx.Node, name: str) -> tuple:
+        """Run one layer on meta tensors: (its Layer, the layers it must follow beyond data)."""
         module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
         kind = kind_of(node, module)
         index = len(self.layers)
         # Rule 3: fresh, independent inputs, so aliasing and in-place writes show as identity.
-        fresh, input_values = {}, []
+        fresh, input_values, state, deps = {}, [], {}, set()
 
-        def prepare(arg_node):
-            obj = self.env[arg_node]
-            if not isinstance(obj, torch.Tensor) or id(obj) not in self.value_of:
+        def prepare_tensor(obj):
+            if not isinstance(obj, torch.Tensor):
+                return obj
+            if id(obj) in self.attr_node:
+                state[self.attr_node[id(obj)]] = obj
+                return obj
+            if id(obj) not in self.value_of:
                 return obj
             value = self.value_of[id(obj)]
             input_values.append(value)
@@ -183,18 +303,27 @@ class _Analyzer:
                     self.values[value].requires_grad and obj.is_floating_point()).clone()
             return fresh[value]
 
+        def prepare(arg_node):
+            if arg_node in self.layer_of:
+                deps.add(self.layer_of[arg_node])   # sizes and other non-tensor results too
+            return pytree.tree_map(prepare_tensor, self.env[arg_node])
+
         args = fx.node.map_arg(node.args, prepare)
         kwargs = fx.node.map_arg(node.kwargs, prepare)
         order = list(fresh)                       # input values in order of first use
         tensors = [fresh[v] for v in order]
+        versions = {n: t._version for n, t in state.items()}
         key = memo_key(node, module, args, kwargs, {id(t): k for k, t in enumerate(tensors)})
         pattern = self.memo.get(key) if key is not None else None
         if pattern is not None:                                               # Rule 4
             result = pattern.result(tensors)
             mutated = list(pattern.mutated)
-            scratch = pattern.scratch
+            scratch, random = pattern.scratch, pattern.random
+            written = set()                       # a memoized call reads no model state
         else:
             result, packed, mutated, watch = self._run(node, module, name, args, kwargs, tensors)
+            random = watch.random
+            written = watch.written
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
         if pattern is not None:
@@ -211,13 +340,18 @@ class _Analyzer:
                 self.memo[key] = Pattern(result, tensors, mutated, [
                     ("internal", entry.nbytes) if entry.value is None else
                     ("output", outputs.index(entry.value)) if entry.value in outputs else
-                    ("input", order.index(entry.value)) for entry in saved], scratch)
+                    ("input", order.index(entry.value)) for entry in saved], scratch, random)
+        out_tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
-                      outputs=outputs, saved=saved, mutates=mutates,
-                      random=is_random(node, module, kind), module=module,
-                      forward_scratch=scratch[0], backward_scratch=scratch[1])
+                      outputs=outputs, saved=saved, mutates=mutates, random=random,
+                      module=module, forward_scratch=scratch[0], backward_scratch=scratch[1],
+                      flops=flops_of(kind, node, module, args, out_tensors),
+                      path=node.target if module is not None else module_path(node),
+                      state_reads=tuple(state),
+                      state_writes=tuple(n for n, t in state.items()
+                                         if t._version != versions[n] or id(t) in written))
         self.layers.append(layer)
-        return layer
+        return layer, deps
 
     def _run(self, node, module, name: str, args, kwargs, tensors: list) -> tuple:
         """Run the layer on its fresh inputs: (result, saved tensors, input positions written,
@@ -243,6 +377,8 @@ class _Analyzer:
         return result, packed, mutated, watch
 
     def _call(self, node, module, args, kwargs):
+        if node.op == "call_function":            # exported graphs name the example's device
+            args, kwargs = pytree.tree_map_only(torch.device, lambda _: _META, (args, kwargs))
         if node.op == "call_module":
             state = self._state(module)
             if not state:

@@ -6,7 +6,8 @@ l_b(i): what its backward reads (saved activations and internal tensors), the gr
         outputs it receives and the gradient of its inputs it writes, plus its scratch.
 Model state (parameters, their gradients, buffers) is resident and counted apart.
 work(i): what replaying layer i's forward costs, in bytes of device-memory traffic: the bytes its
-        forward touches, plus its multiply-adds at FLOPS_PER_BYTE (an H100/H200 in TF32 does
+        forward touches, plus its arithmetic (capture's flops: convolutions, matrix products,
+        attention) at FLOPS_PER_BYTE (an H100/H200 in TF32 does
         ~100 flops in the time its memory moves one byte). A convolution costs its arithmetic, a
         ReLU its bytes: this is what choosing between replaying cheap layers and whole blocks
         weighs.
@@ -14,11 +15,10 @@ LINK_COST: a byte sent to the host and back costs as much time as this many byte
         device-memory traffic (an H200: ~3 TB/s on the device, 55 GB/s each way to the host).
 """
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..capture import Kind, LayerGraph
+from ..capture import LayerGraph
 
 __all__ = ["LayerCosts", "layer_costs", "FLOPS_PER_BYTE", "LINK_COST"]
 
@@ -42,16 +42,6 @@ def _grad_storages(graph: LayerGraph, values) -> set:
     return {graph.values[v].storage for v in values if graph.values[v].requires_grad}
 
 
-def _flops(graph: LayerGraph, layer) -> int:
-    """Multiply-adds x 2 of a convolution or linear layer (0 for the rest)."""
-    weight = getattr(layer.module, "weight", None)
-    if layer.kind not in (Kind.CONV, Kind.FC) or weight is None or not layer.outputs:
-        return 0
-    out = graph.values[layer.outputs[0]].shape
-    per_output = math.prod(weight.shape[1:])        # in/groups x kernel, or in_features
-    return 2 * math.prod(out) * per_output
-
-
 def layer_costs(graph: LayerGraph) -> LayerCosts:
     size = [s.nbytes for s in graph.storages]
     forward, backward, work = [], [], []
@@ -63,5 +53,5 @@ def layer_costs(graph: LayerGraph) -> LayerCosts:
         grads = _grad_storages(graph, layer.outputs) | _grad_storages(graph, layer.inputs)
         backward.append(sum(size[s] for s in saved) + layer.internal_saved_bytes
                         + sum(size[s] for s in grads) + layer.backward_scratch)
-        work.append(forward[-1] + _flops(graph, layer) // FLOPS_PER_BYTE)
+        work.append(forward[-1] + layer.flops // FLOPS_PER_BYTE)
     return LayerCosts(tuple(forward), tuple(backward), tuple(work))

@@ -216,10 +216,11 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
-         strategy="cost-aware", autocast=None, device_type="cuda") -> Plan:
+         strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None) -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
-    ``example_input`` is a tensor on any device (meta included) or a shape tuple. ``autocast``:
+    ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of
+    the model's positional arguments; ``kwargs`` its keyword arguments. ``autocast``:
     the dtype of the torch.autocast the step will run under on ``device_type`` (torch.bfloat16 or
     torch.float16), or None for none.
     """
@@ -228,4 +229,4 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not "
                          f"{autocast!r}")
     state = None if autocast is None else (device_type, autocast)
-    return plan_graph(capture(model, example_input, state), policy, budget, strategy)
+    return plan_graph(capture(model, example_input, state, kwargs), policy, budget, strategy)

@@ -38,7 +38,7 @@ from ..capture import Kind, LayerGraph
 __all__ = ["Policy", "Strategy", "Action", "Segment", "CHECKPOINT_KINDS", "OFFLOAD_KINDS",
            "parse_policy", "parse_strategy", "find_segments", "storage_actions", "route_cuts"]
 
-CHECKPOINT_KINDS = frozenset({Kind.CONV, Kind.FC})
+CHECKPOINT_KINDS = frozenset({Kind.CONV, Kind.FC, Kind.ATTN})
 OFFLOAD_KINDS = frozenset({Kind.CONV})
 
 

@@ -65,20 +65,22 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
-def allocator_counts(x: torch.Tensor) -> bool:
-    """Whether the allocator's statistics count ``x``: without the caching allocator
-    (PYTORCH_NO_CUDA_MEMORY_CACHING=1) they read zero, and the runtime then keeps its own
-    accounting, as on the CPU, with the first-step margin at every step (Rule 4)."""
-    nbytes = x.numel() * x.element_size()
-    return nbytes == 0 or allocated_bytes(x.device) >= nbytes
+def allocator_counts(inputs: list) -> bool:
+    """Whether the allocator's statistics count the step's ``inputs``: without the caching
+    allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1) they read zero, and the runtime then keeps its
+    own accounting, as on the CPU, with the first-step margin at every step (Rule 4)."""
+    nbytes = sum(x.numel() * x.element_size() for x in inputs)
+    return nbytes == 0 or allocated_bytes(inputs[0].device) >= nbytes
 
 
-def foreign_bytes(graph, x: torch.Tensor, parameters=None) -> int:
-    """Device memory the plan does not know of: optimizer state, the user's other tensors."""
+def foreign_bytes(graph, inputs: list, parameters=None) -> int:
+    """Device memory the plan does not know of: optimizer state, the user's other tensors.
+    ``inputs``: the step's input tensors (the plan counts them)."""
     parameters = graph.graph_module.parameters() if parameters is None else parameters
     grads = sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
-    known = graph.param_bytes + graph.buffer_bytes + grads + x.numel() * x.element_size()
-    return max(0, allocated_bytes(x.device) - known)
+    known = graph.param_bytes + graph.buffer_bytes + grads + \
+        sum(x.numel() * x.element_size() for x in inputs)
+    return max(0, allocated_bytes(inputs[0].device) - known)
 
 
 class _RangeMax:
@@ -157,6 +159,7 @@ class Executor:
         for node, at in last.items():
             self.free_after[at].append(node)
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.input_node = dict(zip(graph.input_values, graph.input_nodes))
         self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
 
@@ -165,7 +168,12 @@ class Executor:
         self.replay_inputs = self.plan.replay_inputs()
         self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
         self.segment_position = {}     # segment -> layer -> its position in the segment
+        self.segment_state = {}        # segment -> get_attr nodes its layers read
+        self.mutable_state = {n for layer in graph.layers for n in layer.state_writes}
         for segment in self.plan.segments:
+            self.segment_state[segment.index] = list(dict.fromkeys(
+                n for l in segment.layers for n in graph.layers[l].node.all_input_nodes
+                if n.op == "get_attr"))
             self.segment_position[segment.index] = {l: p for p, l in enumerate(segment.layers)}
             inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
             uses = {}
@@ -204,15 +212,18 @@ class Executor:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
 
     # -- forward -------------------------------------------------------------------------------
-    def run(self, args: tuple):
+    def run(self, args: list):
+        """One forward from the graph's flat inputs (placeholders in order); the output as the
+        model returns it."""
         self.step_id += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.records, self.pending = {}, []
         self.backward_step = None      # step numbers repeat every training step
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda" and self.reads_allocator is None:
-            self.reads_allocator = allocator_counts(args[0])
+            self.reads_allocator = allocator_counts(tensors)
         if self.device.type == "cuda" and self.reads_allocator:
-            self.foreign_bytes = foreign_bytes(self.graph, args[0], self.parameters)
+            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.parameters)
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
@@ -247,7 +258,10 @@ class Executor:
             record.sealed = True
             if not record.alive:
                 record.inputs = None
-        return fx.node.map_arg(self.output.args[0], env.__getitem__)
+        out = fx.node.map_arg(self.output.args[0], env.__getitem__)
+        if self.graph.out_spec is not None:                 # an exported graph's flat outputs
+            return pytree.tree_unflatten(list(out), self.graph.out_spec)
+        return out
 
     @staticmethod
     def _load(node: fx.Node, env: dict):
@@ -359,7 +373,7 @@ class Executor:
         first_need = self.bwd(segment.layers[-1])
         for value in self.replay_inputs[segment.index]:
             producer = self.graph.values[value].producer
-            node = self.placeholders[0] if producer is None else self.graph.layers[producer].node
+            node = self.input_node[value] if producer is None else self.graph.layers[producer].node
             obj = env[node]
             storage = self.graph.values[value].storage
             if isinstance(obj, torch.Tensor) and self.plan.actions[storage] is Action.OFFLOAD:
@@ -367,12 +381,20 @@ class Executor:
             inputs[node] = obj
         random = any(self.graph.layers[l].random for l in segment.layers)
         rng = capture_rng(self.device) if random else None
-        return SegmentRecord(self, segment, inputs, rng, self.autocast)
+        state = {node: self._state(node).clone() for node in self.segment_state[segment.index]
+                 if node in self.mutable_state}
+        return SegmentRecord(self, segment, inputs, rng, self.autocast, state)
+
+    def _state(self, node: fx.Node):
+        return operator.attrgetter(node.target)(self.gm)
 
     def replay(self, record: SegmentRecord, last: int, wanted: set) -> None:
         """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""
         segment = record.segment
-        env = {}
+        # model state as the segment's forward read it: written-in-place state from the
+        # record's copy (a copy again, so the replay's own writes touch neither), the rest as is
+        env = {node: record.state[node].clone() if node in record.state else self._state(node)
+               for node in self.segment_state[segment.index]}
         for node, holder in record.inputs.items():
             if isinstance(holder, PoolRef):
                 self._enter_backward_step(holder.step)

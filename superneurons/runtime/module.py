@@ -1,7 +1,8 @@
 """wrap(): a drop-in nn.Module whose training steps run within a memory budget.
 
-Rule 1: the plan is made at the first forward for each input shape and dtype, and autocast
-        state, and reused (a step under bf16 autocast holds about half the bytes).
+Rule 1: the plan is made at the first forward for each input structure, tensor shape and
+        dtype, value of every non-tensor argument (a captured graph specializes on them) and
+        autocast state, and reused (a step under bf16 autocast holds about half the bytes).
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
         no hook, no copy, no replay (plain PyTorch already frees tensors after last use).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
@@ -11,8 +12,10 @@ Rule 4: no grad (evaluation) runs the model untouched.
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..capture import capture
+from ..capture.trace import flat_inputs
 from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..units import format_bytes, parse_bytes
@@ -31,20 +34,32 @@ class SuperNeuronsModule(nn.Module):
         self.budget_bytes = parse_bytes(budget)
         self._executors: dict = {}
         self._last = None
+        # checkpoints use the model's own keys, so they move freely between wrapped and plain
+        self.register_state_dict_post_hook(_own_keys)
+        self.register_load_state_dict_pre_hook(_wrapper_keys)
 
-    def plan_for(self, x: torch.Tensor):
-        """The (cached) plan for inputs like ``x``: (plan, executor or None for plain runs)."""
-        autocast = autocast_state(x.device.type)
-        key = (tuple(x.shape), x.dtype, x.device, x.requires_grad, self.model.training, autocast)
+    def plan_for(self, *args, **kwargs):
+        """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
+        where the model runs untouched)."""
+        tensors, key = _call_key(args, kwargs)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        autocast = autocast_state(device.type)
+        key = (key, self.model.training, autocast)
         if key not in self._executors:
-            self._executors[key] = self._make(x, autocast)
+            self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
         return self._executors[key]
 
-    def _make(self, x: torch.Tensor, autocast):
-        graph = capture(self.model, x, autocast)
+    def _make(self, args, kwargs, tensors: list, device, autocast):
+        graph = capture(self.model, args, autocast, kwargs)
         budget = self.budget_bytes
-        if budget is not None and x.device.type == "cuda":
-            budget -= foreign_bytes(graph, x)
+        if budget is not None and device.type == "cuda":
+            others = foreign_bytes(graph, tensors)
+            if others >= budget:
+                raise ValueError(
+                    f"tensors the model does not own already hold {format_bytes(others)} on "
+                    f"{device}, all of the budget of {format_bytes(budget)}: free them (optimizer "
+                    "state of another model, cached batches) or raise the budget")
+            budget -= others
         if budget is not None and self.policy in _MANAGED:
             try:
                 return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
@@ -54,26 +69,26 @@ class SuperNeuronsModule(nn.Module):
         if plan.policy not in _MANAGED:
             return plan, None
         if self.budget_bytes is None:
-            return plan, Executor(plan, x.device, plan.peak_bytes, count_foreign=False)
-        return plan, Executor(plan, x.device, self.budget_bytes)
+            return plan, Executor(plan, device, plan.peak_bytes, count_foreign=False)
+        return plan, Executor(plan, device, self.budget_bytes)
 
-    def forward(self, x, *args, **kwargs):
-        if args or kwargs or not isinstance(x, torch.Tensor):
-            raise ValueError("a superneurons-wrapped model takes one tensor input; pass the "
-                             "others to the module's constructor")
+    def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.model(x)                                         # Rule 4
-        plan, executor = self.plan_for(x)
-        if x.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(x.device)
-        self._last = (plan, executor, x.device)
+            return self.model(*args, **kwargs)                           # Rule 4
+        plan, executor = self.plan_for(*args, **kwargs)
+        device = executor.device if executor is not None else _device_of(args, kwargs)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._last = (plan, executor, device)
         if executor is None:
-            return self.model(x)
+            return self.model(*args, **kwargs)
         executor.pool.offloaded_bytes = executor.pool.prefetched_bytes = 0
         executor.pool.cache_hits = executor.pool.cache_misses = 0
         executor.recomputed_layers = executor.accounted_peak = 0
+        graph = plan.graph
+        flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         try:
-            return executor.run((x,))
+            return executor.run(flat)
         except torch.OutOfMemoryError as error:
             executor.release()
             raise RuntimeError(
@@ -82,6 +97,12 @@ class SuperNeuronsModule(nn.Module):
                 "(other tensors, another process, fragmentation). The model and optimizer are "
                 "unchanged; lower the budget or the batch, or set PYTORCH_CUDA_ALLOC_CONF="
                 "expandable_segments:True") from error
+
+    def __getstate__(self):
+        # plans and executors hold streams, pinned memory and graphs: made again after loading
+        state = self.__dict__.copy()
+        state["_executors"], state["_last"] = {}, None
+        return state
 
     @property
     def stats(self) -> StepStats | None:
@@ -98,6 +119,42 @@ class SuperNeuronsModule(nn.Module):
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda)
+
+
+def _call_key(args: tuple, kwargs: dict) -> tuple:
+    """(the call's tensors, a key that differs wherever a plan could): tensors by shape, dtype,
+    device and requires_grad, anything else by value (a graph specializes on it)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors, key = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            key.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+                key.append((type(leaf), leaf))
+            except TypeError:
+                key.append((type(leaf), repr(leaf)))
+    return tensors, (spec, tuple(key))
+
+
+def _device_of(args, kwargs) -> torch.device:
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _own_keys(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _wrapper_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                  errors) -> None:
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware"):

@@ -1,9 +1,12 @@
 """Recomputation segments at run time: what a segment needs to replay itself, and the replay.
 
 Rule 1: a segment's forward keeps nothing autograd saved; it keeps its inputs (kept or pooled),
-        the random-number state and the autocast state it ran under.
+        the random-number state and the autocast state it ran under, and a copy of the model
+        state it reads that some layer writes in place (a replay must read it as it was).
 Rule 2: a replay runs the segment's layers again from those inputs with the same random numbers,
-        and puts back every buffer it touched (BatchNorm's running statistics move once a step).
+        and leaves the model's state as the forward left it (BatchNorm's running statistics move
+        once a step): state read by get_attr is replayed on copies, and the buffers of leaf
+        modules are put back.
 Rule 3: speed-centric replays once, up to the last layer still needed, and keeps all it makes
         until read; memory-centric replays the prefix one backward layer needs, each time.
 """
@@ -17,12 +20,13 @@ from ..planner import Strategy
 
 
 class SegmentRecord:
-    def __init__(self, executor, segment, inputs: dict, rng, autocast):
+    def __init__(self, executor, segment, inputs: dict, rng, autocast, state: dict):
         self._executor = weakref.ref(executor)   # no cycle: records die with their step
         self.segment = segment
         self.inputs = inputs             # fx node -> PoolRef, tensor or other object
         self.rng = rng                   # (cpu state, device state) or None
         self.autocast = autocast         # (device type, enabled, dtype)
+        self.state = state               # get_attr node -> copy of state written in the step
         self.alive: dict = {}            # key -> number of handles waiting for it
         self.cache: dict = {}            # key -> replayed tensor
         self.sealed = False              # forward done: no new handles will come

@@ -1,0 +1,157 @@
+"""Capture by torch.export: the model's own forward, any interface, as a graph of ATen operations.
+
+torch.export (non-strict, its training IR) runs the user's Python once on fake tensors and records
+every operation it reaches: control flow on sizes is specialized to the example, grad-mode and
+autocast regions become one node each (wrap_with_set_grad_enabled, wrap_with_autocast), dropout
+and every other random draw appear as operations, and positional and keyword arguments and the
+output's structure (tuples, dicts, HF output objects) travel as pytree specs. Each node keeps the
+module it came from (nn_module_stack), which names the layers.
+
+Rule 1: the graph reads parameters and buffers with get_attr on the user's own tensors (the same
+        objects, so the optimizer's updates and load_state_dict reach the next step), never copies.
+Rule 2: what export cannot represent exactly is refused before a step runs: module hooks (export
+        inlines them once, so a hook's Python would not run per step), data-dependent control
+        flow, custom objects, and graphs that return mutated inputs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+__all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
+
+# checks export adds for the example's dtypes and devices: a plan's key already pins both
+_DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class ExportedGraph:
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec       # how (args, kwargs) flatten into the graph's placeholders
+    out_spec: pytree.TreeSpec      # how the graph's outputs rebuild the model's output
+
+
+def hooks_of(model: nn.Module, *, leaves_too: bool = True) -> list:
+    """Descriptions of the module hooks a captured graph could not run every step."""
+    found = []
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    for name, module in model.named_modules():
+        if not leaves_too and not module._modules:
+            continue
+        for kind in kinds:
+            if getattr(module, kind, None):
+                found.append(f"{kind[1:-1].replace('_', ' ')} on {name or type(model).__name__}")
+    module_hooks = nn.modules.module
+    for kind in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                 "_global_backward_hooks", "_global_backward_pre_hooks"):
+        if getattr(module_hooks, kind, None):
+            found.append(f"a global {kind[8:-1].replace('_', ' ')} (torch.nn.modules.module)")
+    return found
+
+
+def module_path(node: fx.Node) -> str:
+    """The qualified name of the innermost module ``node`` ran in ('' for the model's own code)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # export names a module called twice "name@2"; the module is the same
+    return path.split("@")[0]
+
+
+def _fake_like(tensors_on, example):
+    """Export's example: real tensors pass as they are; a meta tensor stands for the device the
+    model lives on (a plan made for any device), as a fake tensor, so nothing is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(leaf):
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "meta" or \
+                tensors_on.type == "meta":
+            return leaf
+        with mode:
+            out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype,
+                                      device=tensors_on)
+        return out.requires_grad_(leaf.requires_grad)
+    return pytree.tree_map(fake, example)
+
+
+def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
+    """Export ``model`` called with ``args`` and ``kwargs``; a ValueError says what to change."""
+    hooks = hooks_of(model)
+    if hooks:
+        raise ValueError(
+            f"{type(model).__name__} has {', '.join(hooks[:3])}"
+            f"{' and more' if len(hooks) > 3 else ''}: superneurons runs a graph captured once, "
+            "so a hook's Python would not run every step. Remove the hook, or register it on "
+            "the wrapped model (sn.wrap(...)) where it runs on every call.")
+    state = next(iter(model.parameters()), None)
+    device = state.device if state is not None else torch.device("cpu")
+    args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)))
+    try:
+        program = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as error:  # export raises many kinds: say what to do in one place
+        raise ValueError(
+            f"superneurons could not capture {type(model).__name__} with torch.export: "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}. Code that "
+            "branches on tensor values (not sizes) cannot be captured; move it out of the "
+            "forward, or wrap the part of the model that does not branch.") from error
+    return _with_model_state(program, model)
+
+
+def _with_model_state(program, model: nn.Module) -> ExportedGraph:
+    """The exported graph with its lifted parameters, buffers and constants read by get_attr
+    from the model itself (Rule 1), its user inputs left as placeholders."""
+    signature = program.graph_signature
+    for spec in signature.output_specs:
+        if spec.kind is not OutputKind.USER_OUTPUT:
+            raise ValueError(
+                f"{type(model).__name__}'s forward writes into its {spec.kind.name.lower()} "
+                f"{spec.target!r} in a way superneurons cannot replay; file an issue with the "
+                "model")
+    kinds = {spec.arg.name: spec for spec in signature.input_specs}
+    root: dict = {}
+    graph = fx.Graph()
+    env: dict = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            spec = kinds[node.name]
+            if spec.kind is InputKind.USER_INPUT:
+                env[node] = graph.placeholder(node.name)
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                root[spec.target] = _model_state(model, spec.target, program)
+                env[node] = graph.get_attr(spec.target)
+            elif spec.kind is InputKind.CONSTANT_TENSOR:
+                name = f"_constant_{len(root)}"
+                root[name] = program.constants[spec.target]
+                env[node] = graph.get_attr(name)
+            else:
+                raise ValueError(f"{type(model).__name__} holds a {spec.kind.name.lower()} "
+                                 f"({spec.target}) that superneurons cannot capture")
+        elif node.op == "get_attr":        # the body of a grad-mode or autocast region
+            name = f"_region_{node.target}"
+            root[name] = getattr(program.graph_module, node.target)
+            env[node] = graph.get_attr(name)
+        elif node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], env.__getitem__))
+        elif node.target in _DROPPED:
+            continue
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
+    call_spec = program.call_spec
+    return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
+
+
+def _model_state(model: nn.Module, target: str, program) -> torch.Tensor:
+    try:
+        return model.get_parameter(target)
+    except AttributeError:
+        pass
+    try:
+        return model.get_buffer(target)
+    except AttributeError:
+        return program.state_dict.get(target, program.constants.get(target))
