@@ -28,15 +28,18 @@ RESIDENT = 2 * 4 * (20 + 6 + 6 + 27)   # parameters and their gradients, float32
 
 def test_in_and_out_sets_step_by_step():
     plan = sn.plan(Fan(), (2, 1, 4, 4), policy="liveness")
-    assert plan.route == ["conv1", "pool", "conv_a", "conv_b", "add", "fc", "softmax"]
+    # Fan is not the project's code, so it is captured by torch.export: fc runs as two layers
+    assert plan.route == ["conv1", "pool", "conv_a", "conv_b", "add", "fc:flatten", "fc:linear",
+                          "softmax"]
     base = {"input", "conv1", "pool", "pool:saved"}
     expected = {
         4: (base | {"conv_a", "conv_b"}, base | {"add"}),        # the branches die at the join
-        6: (base | {"add", "fc"}, base | {"add", "softmax"}),     # fc's output: softmax saves its own
-        9: (base | {"grad(add)"}, base | {"grad(add)"}),
-        10: (base | {"grad(add)"}, base | {"grad(add)", "grad(pool)"}),
-        12: ({"input", "conv1", "pool:saved", "grad(pool)"}, {"input", "grad(conv1)"}),
-        13: ({"input", "grad(conv1)"}, set()),
+        5: (base | {"add"}, base | {"add"}),                       # flatten: a view of add
+        7: (base | {"add", "fc:linear"}, base | {"add", "softmax"}),  # softmax saves its own
+        11: (base | {"grad(add)"}, base | {"grad(add)"}),
+        12: (base | {"grad(add)"}, base | {"grad(add)", "grad(pool)"}),
+        14: ({"input", "conv1", "pool:saved", "grad(pool)"}, {"input", "grad(conv1)"}),
+        15: ({"input", "grad(conv1)"}, set()),
     }
     for step, (live_in, live_out) in expected.items():
         assert plan.in_out(step) == (live_in, live_out), step
@@ -45,7 +48,7 @@ def test_in_and_out_sets_step_by_step():
 def test_exact_bytes_per_step():
     plan = sn.plan(Fan(), (2, 1, 4, 4), policy="liveness")
     # x 128, conv1 256, pool 64 (+128 indices), branches 64 each, add 64, fc 24, softmax 24
-    by_hand = [384, 576, 640, 704, 768, 664, 688, 712, 728, 640, 704, 704, 832, 384]
+    by_hand = [384, 576, 640, 704, 768, 640, 664, 688, 712, 728, 640, 640, 704, 704, 832, 384]
     assert [s.live_bytes - RESIDENT for s in plan.steps] == by_hand
     assert plan.resident_bytes == RESIDENT
     assert plan.peak_bytes == 832 + RESIDENT

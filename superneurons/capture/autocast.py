@@ -84,7 +84,10 @@ class AutocastOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
+        if isinstance(func, torch._ops.OpOverload):       # an exported graph's ATen operation
+            name = func.overloadpacket.__name__
+        else:
+            name = getattr(func, "__name__", "")
         if name in self.lower:
             args, kwargs = _cast(args, self.dtype), {k: _cast(v, self.dtype)
                                                      for k, v in kwargs.items()}

@@ -1,0 +1,574 @@
+"""Models people train today, written by nobody on this project, each tiny enough for a CPU.
+
+Every case's ``build()`` returns ``(model, args, kwargs, loss_fn)``: the model in train mode, the
+positional and keyword arguments it is called with (``model(*args, **kwargs)``, exactly as its
+authors call it) and a function from the model's output to a scalar loss. Inputs and labels are
+drawn from their own generator, so a builder called twice after the same ``torch.manual_seed``
+returns the same model (same initial weights) and the same data.
+
+- every classification builder of ``torchvision.models`` (``list_models(module=...)``), with
+  ``weights=None, num_classes=10`` at the smallest input it runs on;
+- Hugging Face transformers built from small configs, no download: GPT-2, Llama, BERT (masked
+  LM), ViT, called the Hugging Face way (``input_ids=, attention_mask=, labels=``, a padded
+  batch), loss ``out.loss``; dropout left on;
+- a nanoGPT decoder, written as karpathy/nanoGPT's model.py writes it;
+- nn.MultiheadAttention and nn.TransformerEncoderLayer (post-norm and norm_first) models;
+- a few timm models.
+
+Constructs (one per tiny module) are in today_constructs.py; the harness is matrix.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BATCH = 2
+NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of the matrix. ``build()`` -> (model, args, kwargs, loss_fn)."""
+
+    name: str
+    build: Callable[[], tuple]
+    group: str
+    requires: tuple[str, ...] = ()      # importable modules the builder needs (else: skipped)
+    default: bool = False               # in the subset every test run covers
+    slow: bool = False                  # seconds or more per run on a CPU: the full matrix only
+    optimizer: str = "adamw"            # 'sgd' for the models of hundreds of millions of weights
+    plain_raises: type | None = None    # plain PyTorch raises this in training (the runtime too)
+    note: str = ""
+
+    def missing(self) -> list[str]:
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+def _generator(seed: int = 1234) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def classification_loss(labels: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """Cross entropy on the logits; for outputs with auxiliary logits (GoogLeNet, Inception v3 in
+    train mode: namedtuples whose first field is the main logits) 0.3 of each auxiliary's too."""
+
+    def loss_fn(out):
+        if isinstance(out, torch.Tensor):
+            return F.cross_entropy(out, labels)
+        main, *aux = out
+        loss = F.cross_entropy(main, labels)
+        for logits in aux:
+            if logits is not None:
+                loss = loss + 0.3 * F.cross_entropy(logits, labels)
+        return loss
+
+    return loss_fn
+
+
+def image_batch(size: int, batch: int = BATCH):
+    g = _generator()
+    x = torch.randn(batch, 3, size, size, generator=g)
+    y = torch.randint(0, NUM_CLASSES, (batch,), generator=g)
+    return x, y
+
+
+# ------------------------------------------------------------------------------- torchvision
+
+# name -> input side; every other builder runs at 32 (measured: the smallest that works)
+_TV_SIZE = {"alexnet": 64, "inception_v3": 299, "maxvit_t": 224, "vit_h_14": 28}
+# builder keyword arguments beyond weights=None, num_classes=10
+_TV_KWARGS = {
+    "googlenet": {"init_weights": True},       # the default; saying so silences a FutureWarning
+    "inception_v3": {"init_weights": True},
+}
+# the always-run subset
+TV_DEFAULT = ("resnet18", "efficientnet_b0", "mobilenet_v3_small", "swin_t", "maxvit_t")
+# hundreds of millions of weights: SGD, so that two copies and AdamW's state fit a CI machine
+_TV_HUGE = {"regnet_y_128gf", "vit_h_14", "vit_l_16", "vit_l_32"}
+# more than about 2 s for a plain run of 3 steps on 2 CPU cores (see benchmarks/models_today.py)
+_TV_SLOW_PARAMS = 60_000_000
+
+
+def _tv_size(name: str) -> int:
+    return _TV_SIZE.get(name, 32)
+
+
+def _tv_kwargs(name: str) -> dict:
+    kwargs = dict(weights=None, num_classes=NUM_CLASSES, **_TV_KWARGS.get(name, {}))
+    if name.startswith("vit_"):
+        # VisionTransformer takes image_size through the builder's **kwargs; the patch size is
+        # fixed by the builder (16, 32 or 14): the smallest multiple of it from 28 up
+        kwargs["image_size"] = _tv_size(name)
+    return kwargs
+
+
+def torchvision_builder(name: str):
+    def build():
+        import torchvision
+
+        builder = torchvision.models.get_model_builder(name)
+        model = builder(**_tv_kwargs(name))
+        x, y = image_batch(_tv_size(name))
+        return model.train(), (x,), {}, classification_loss(y)
+
+    build.__name__ = f"build_{name}"
+    build.__qualname__ = build.__name__
+    return build
+
+
+def torchvision_names() -> list[str]:
+    """Every classification builder torchvision has (empty without torchvision)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return list(TV_DEFAULT)
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _tv_slow(name: str) -> bool:
+    if name in TV_DEFAULT:
+        return False
+    if _tv_size(name) >= 224 or name in _TV_HUGE:
+        return True
+    return _TV_PARAMS.get(name, 0) > _TV_SLOW_PARAMS
+
+
+# weights per builder at num_classes=10 (torchvision 0.29), to mark the slow ones without
+# building them at import
+_TV_PARAMS = {
+    "alexnet": 57_044_810, "convnext_base": 87_576_714, "convnext_large": 196_245_706,
+    "convnext_small": 49_462_378, "efficientnet_b7": 63_812_570,
+    "efficientnet_v2_l": 117_247_082, "efficientnet_v2_m": 52_871_166,
+    "regnet_x_32gf": 105_315_770, "regnet_y_16gf": 80_595_390, "regnet_y_32gf": 141_370_900,
+    "regnet_y_128gf": 637_493_824, "resnext101_32x8d": 86_762_826,
+    "resnext101_64x4d": 81_426_762, "swin_b": 86_753_474, "swin_v2_b": 86_916_098,
+    "vgg11": 128_807_306, "vgg11_bn": 128_812_810, "vgg13": 128_991_818,
+    "vgg13_bn": 128_997_706, "vgg16": 134_301_514, "vgg16_bn": 134_309_962,
+    "vgg19": 139_611_210, "vgg19_bn": 139_622_218, "vit_b_16": 85_658_890,
+    "vit_b_32": 87_426_058, "vit_h_14": 630_455_050, "vit_l_16": 303_115_274,
+    "vit_l_32": 305_471_498, "wide_resnet101_2": 124_858_186, "wide_resnet50_2": 66_854_730,
+}
+
+
+def torchvision_cases() -> dict[str, Case]:
+    cases = {}
+    for name in torchvision_names():
+        note = f"input (2, 3, {_tv_size(name)}, {_tv_size(name)})"
+        if name.startswith("vit_"):
+            note += f", image_size={_tv_size(name)}"
+        if name == "inception_v3":
+            note += " (299: the smallest its auxiliary head takes)"
+        cases[f"tv_{name}"] = Case(
+            f"tv_{name}", torchvision_builder(name), "torchvision", ("torchvision",),
+            default=name in TV_DEFAULT, slow=_tv_slow(name),
+            optimizer="sgd" if name in _TV_HUGE else "adamw", note=note)
+    return cases
+
+
+# ------------------------------------------------------------------------- HF transformers
+
+SEQ = 12
+
+
+def _text_batch(vocab: int):
+    """input_ids (2, 12), an attention_mask whose second row ends in 4 padding zeros, and causal
+    LM labels (-100 on padding)."""
+    g = _generator()
+    input_ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    attention_mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    attention_mask[1, -4:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return input_ids, attention_mask, labels
+
+
+def _hf_loss(out):
+    return out.loss
+
+
+def build_hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    model = GPT2LMHeadModel(config)
+    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                  use_cache=False)
+    return model.train(), (), kwargs, _hf_loss
+
+
+def build_hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, attention_dropout=0.1)
+    model = LlamaForCausalLM(config)
+    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                  use_cache=False)
+    return model.train(), (), kwargs, _hf_loss
+
+
+def build_hf_bert_mlm():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = BertForMaskedLM(config)
+    input_ids, attention_mask, _ = _text_batch(config.vocab_size)
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.tensor([[1, 4, 7], [0, 3, 5]])               # positions predicted
+    labels.scatter_(1, masked, input_ids.gather(1, masked))
+    input_ids = input_ids.scatter(1, masked, 3)                 # the [MASK] token
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    return model.train(), (), kwargs, _hf_loss
+
+
+def build_hf_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
+                       num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                       num_labels=NUM_CLASSES)
+    model = ViTForImageClassification(config)
+    x, y = image_batch(32)
+    return model.train(), (), dict(pixel_values=x, labels=y), _hf_loss
+
+
+# ----------------------------------------------------------------------------------- nanoGPT
+# karpathy/nanoGPT model.py (MIT), as it is written there, less from_pretrained, the optimizer
+# set-up, MFU estimate and generate.
+
+
+class LayerNorm(nn.Module):
+    """ LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False """
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # key, query, value projections for all heads, but in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # output projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # regularization
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        # flash attention make GPU go brrrrr but support is only in PyTorch >= 2.0
+        self.flash = hasattr(torch.nn.functional, 'scaled_dot_product_attention')
+        if not self.flash:
+            print("WARNING: using slow attention. Flash Attention requires PyTorch >= 2.0")
+            # causal mask to ensure that attention is only applied to the left in the input sequence
+            self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
+                                        .view(1, 1, config.block_size, config.block_size))
+
+    def forward(self, x):
+        B, T, C = x.size() # batch size, sequence length, embedding dimensionality (n_embd)
+
+        # calculate query, key, values for all heads in batch and move head forward to be the batch dim
+        q, k, v  = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) # (B, nh, T, hs)
+
+        # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, T) -> (B, nh, T, T)
+        if self.flash:
+            # efficient attention using Flash Attention CUDA kernels
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:
+            # manual implementation of attention
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:,:,:T,:T] == 0, float('-inf'))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C) # re-assemble all head outputs side by side
+
+        # output projection
+        y = self.resid_dropout(self.c_proj(y))
+        return y
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc    = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu    = nn.GELU()
+        self.c_proj  = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304 # GPT-2 vocab_size of 50257, padded up to nearest multiple of 64 for efficiency
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None
+        assert config.block_size is not None
+        self.config = config
+
+        self.transformer = nn.ModuleDict(dict(
+            wte = nn.Embedding(config.vocab_size, config.n_embd),
+            wpe = nn.Embedding(config.block_size, config.n_embd),
+            drop = nn.Dropout(config.dropout),
+            h = nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f = LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # with weight tying when using torch.compile() some warnings get generated:
+        # "UserWarning: functional_call was passed multiple values for tied weights.
+        # This behavior is deprecated and will be an error in future versions"
+        # not 100% sure what this is, so far seems to be harmless. TODO investigate
+        self.transformer.wte.weight = self.lm_head.weight # https://paperswithcode.com/method/weight-tying
+
+        # init all weights
+        self.apply(self._init_weights)
+        # apply special scaled init to the residual projections, per GPT-2 paper
+        for pn, p in self.named_parameters():
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02/math.sqrt(2 * config.n_layer))
+
+    def get_num_params(self, non_embedding=True):
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device) # shape (t)
+
+        # forward the GPT model itself
+        tok_emb = self.transformer.wte(idx) # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos) # position embeddings of shape (t, n_embd)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+
+        if targets is not None:
+            # if we are given some desired targets also calculate the loss
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            # inference-time mini-optimization: only forward the lm_head on the very last position
+            logits = self.lm_head(x[:, [-1], :]) # note: using list [-1] to preserve the time dim
+            loss = None
+
+        return logits, loss
+
+
+def build_nanogpt():
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
+                       dropout=0.1, bias=True)
+    model = GPT(config)
+    g = _generator()
+    data = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
+    # as nanoGPT's get_batch (torch.stack of slices): contiguous, targets shifted by one
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return model.train(), (x, y), {}, lambda out: out[1]
+
+
+def build_nanogpt_nobias():
+    """nanoGPT with bias=False (its LayerNorm without a bias, Linears without biases)."""
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
+                       dropout=0.1, bias=False)
+    model = GPT(config)
+    g = _generator()
+    data = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    return model.train(), (x, y), {}, lambda out: out[1]
+
+
+# ------------------------------------------------------------------------- torch.nn attention
+
+class MHAClassifier(nn.Module):
+    """Tokens -> nn.MultiheadAttention (batch_first, dropout) -> residual + LayerNorm -> mean
+    over the unpadded tokens -> logits; called with a key_padding_mask keyword."""
+
+    def __init__(self, features=8, dim=32, heads=4):
+        super().__init__()
+        self.embed = nn.Linear(features, dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=0.1, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, NUM_CLASSES)
+
+    def forward(self, x, key_padding_mask=None):
+        h = self.embed(x)
+        a, _ = self.attn(h, h, h, key_padding_mask=key_padding_mask)
+        h = self.norm(h + a)
+        if key_padding_mask is not None:
+            keep = (~key_padding_mask).unsqueeze(-1).to(h.dtype)
+            pooled = (h * keep).sum(1) / keep.sum(1)
+        else:
+            pooled = h.mean(1)
+        return self.head(pooled)
+
+
+def _token_batch(features=8):
+    g = _generator()
+    x = torch.randn(BATCH, SEQ, features, generator=g)
+    padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    padding[1, -4:] = True                       # True: padding (ignored), as PyTorch's masks
+    y = torch.randint(0, NUM_CLASSES, (BATCH,), generator=g)
+    return x, padding, y
+
+
+def build_mha():
+    model = MHAClassifier()
+    x, padding, y = _token_batch()
+    return model.train(), (x,), dict(key_padding_mask=padding), classification_loss(y)
+
+
+class EncoderClassifier(nn.Module):
+    """Tokens -> nn.TransformerEncoder of two nn.TransformerEncoderLayer (dropout 0.1) -> first
+    token -> logits; called with src_key_padding_mask."""
+
+    def __init__(self, norm_first: bool, features=8, dim=32, heads=4):
+        super().__init__()
+        self.embed = nn.Linear(features, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=64, dropout=0.1,
+                                           batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, NUM_CLASSES)
+
+    def forward(self, x, src_key_padding_mask=None):
+        h = self.encoder(self.embed(x), src_key_padding_mask=src_key_padding_mask)
+        return self.head(h[:, 0])
+
+
+def build_encoder_layer():
+    x, padding, y = _token_batch()
+    return (EncoderClassifier(norm_first=False).train(), (x,),
+            dict(src_key_padding_mask=padding), classification_loss(y))
+
+
+def build_encoder_layer_norm_first():
+    x, padding, y = _token_batch()
+    return (EncoderClassifier(norm_first=True).train(), (x,),
+            dict(src_key_padding_mask=padding), classification_loss(y))
+
+
+# ------------------------------------------------------------------------------------- timm
+
+def timm_builder(name: str, size: int = 32, **options):
+    def build():
+        import timm
+
+        model = timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **options)
+        x, y = image_batch(size)
+        return model.train(), (x,), {}, classification_loss(y)
+
+    build.__name__ = f"build_timm_{name}"
+    return build
+
+
+TIMM = {
+    "timm_resnet18": (timm_builder("resnet18"), False),
+    "timm_convnext_atto": (timm_builder("convnext_atto", drop_path_rate=0.1), True),
+    # img_size and patch_size are timm VisionTransformer arguments: 16 tokens of 8x8
+    "timm_vit_tiny": (timm_builder("vit_tiny_patch16_224", img_size=32, patch_size=8,
+                                   drop_rate=0.1, drop_path_rate=0.1), True),
+    "timm_efficientnet_b0": (timm_builder("efficientnet_b0", drop_path_rate=0.1), False),
+}
+
+
+# ------------------------------------------------------------------------------------ cases
+
+def cases() -> dict[str, Case]:
+    """Every model case, by name (torchvision first, as torchvision lists them)."""
+    out = torchvision_cases()
+    hf = ("transformers",)
+    out.update({
+        "hf_gpt2": Case("hf_gpt2", build_hf_gpt2, "transformers", hf, default=True,
+                        note="GPT2LMHeadModel, padded batch, use_cache=False"),
+        "hf_llama": Case("hf_llama", build_hf_llama, "transformers", hf, default=True,
+                         note="LlamaForCausalLM (GQA 4/2 heads), padded batch, use_cache=False"),
+        "hf_bert_mlm": Case("hf_bert_mlm", build_hf_bert_mlm, "transformers", hf, default=True,
+                            note="BertForMaskedLM, padded batch"),
+        "hf_vit": Case("hf_vit", build_hf_vit, "transformers", hf, default=True,
+                       note="ViTForImageClassification, pixel_values=, labels="),
+        "nanogpt": Case("nanogpt", build_nanogpt, "nanogpt", default=True,
+                        note="karpathy/nanoGPT model.py, tied embeddings, model(idx, targets)"),
+        "nanogpt_nobias": Case("nanogpt_nobias", build_nanogpt_nobias, "nanogpt",
+                               note="nanoGPT with bias=False"),
+        "nn_mha": Case("nn_mha", build_mha, "torch.nn", default=True,
+                       note="nn.MultiheadAttention(batch_first), key_padding_mask="),
+        "nn_encoder_layer": Case("nn_encoder_layer", build_encoder_layer, "torch.nn",
+                                 default=True, note="nn.TransformerEncoderLayer, post-norm"),
+        "nn_encoder_layer_norm_first": Case(
+            "nn_encoder_layer_norm_first", build_encoder_layer_norm_first, "torch.nn",
+            default=True, note="nn.TransformerEncoderLayer(norm_first=True)"),
+    })
+    for name, (build, default) in TIMM.items():
+        out[name] = Case(name, build, "timm", ("timm",), default=default)
+    return out
+
+
+MODELS = cases()
