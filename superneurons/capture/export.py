@@ -133,7 +133,7 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
                                  f"({spec.target}) that superneurons cannot capture")
         elif node.op == "get_attr":        # the body of a grad-mode or autocast region
             name = f"_region_{node.target}"
-            root[name] = getattr(program.graph_module, node.target)
+            root[name] = _without_checks(getattr(program.graph_module, node.target))
             env[node] = graph.get_attr(name)
         elif node.op == "output":
             graph.output(fx.node.map_arg(node.args[0], env.__getitem__))
@@ -144,6 +144,19 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     call_spec = program.call_spec
     return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
+
+
+def _without_checks(region: fx.GraphModule) -> fx.GraphModule:
+    """A region's body without export's dtype checks, which capture's meta run (where autocast
+    casts nothing) would fail; nested regions too."""
+    for node in list(region.graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED and not node.users:
+            region.graph.erase_node(node)
+        elif node.op == "get_attr" and isinstance(getattr(region, node.target, None),
+                                                  fx.GraphModule):
+            _without_checks(getattr(region, node.target))
+    region.recompile()
+    return region
 
 
 def _model_state(model: nn.Module, target: str, program) -> torch.Tensor:
