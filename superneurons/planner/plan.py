@@ -117,9 +117,11 @@ class Plan:
         after = {b.label for b in self.buffers if b.live_at(step) and b.live_at(step + 1)}
         return before, after
 
-    def explain(self) -> str:
+    def explain(self, per_layer: bool | None = None) -> str:
+        """What is kept, offloaded or replayed, and why: per layer, or per block (the default
+        past 200 layers)."""
         from .explain import explain
-        return explain(self)
+        return explain(self, per_layer)
 
     def to_dict(self) -> dict:
         return {
