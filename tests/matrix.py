@@ -22,6 +22,7 @@ budget="forcing": one below the liveness policy's own peak, so the runtime must 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import time
 import traceback
@@ -59,6 +60,7 @@ class Outcome:
     plan_s: float = 0.0                  # the two sn.plan calls of the forcing budget
     wrapped_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    stats: dict | None = None            # the wrapped model's last step (sn's StepStats)
 
     def __str__(self):
         return self.status if not self.reason else f"{self.status}: {self.reason}"
@@ -67,7 +69,7 @@ class Outcome:
         return {"case": self.case, "policy": self.policy, "status": self.status,
                 "reason": self.reason, "budget": self.budget, "plain_s": round(self.plain_s, 3),
                 "plan_s": round(self.plan_s, 3), "wrapped_s": round(self.wrapped_s, 3),
-                "notes": self.notes}
+                "notes": self.notes, "stats": self.stats}
 
 
 # ----------------------------------------------------------------------------- training
@@ -154,21 +156,33 @@ def _build(build, seed: int):
     return model.train(), tuple(args), dict(kwargs or {}), loss_fn
 
 
-def plain_run(build, *, steps=3, optimizer="adamw", seed=0) -> PlainRun:
-    """Plain PyTorch's training of the case (cached for the case last asked)."""
+def plain_run(build, *, steps=3, optimizer="adamw", seed=0, fresh=False) -> PlainRun:
+    """Plain PyTorch's training of the case (cached for the case last asked; ``fresh``: run it
+    again, cached or not, and keep the cached one)."""
     name, builder, _ = _resolve(build)
     key = (name, id(builder), steps, optimizer, seed)
-    if key in _PLAIN_CACHE:
+    if key in _PLAIN_CACHE and not fresh:
         return _PLAIN_CACHE[key]
-    _PLAIN_CACHE.clear()
+    if not fresh:
+        _PLAIN_CACHE.clear()
     gc.collect()
     model, args, kwargs, loss_fn = _build(builder, seed)
     initial = snapshot(model)
     trained = train(model, model, args, kwargs, loss_fn, steps, optimizer, seed + 1)
     run = PlainRun(initial, snapshot(model), trained)
     del model, args, kwargs, loss_fn
-    _PLAIN_CACHE[key] = run
+    if not fresh:
+        _PLAIN_CACHE[key] = run
     return run
+
+
+def _same_training(a: PlainRun, b: PlainRun) -> list[str]:
+    problems = []
+    for step, (x, y) in enumerate(zip(a.trained.losses, b.trained.losses)):
+        if not torch.equal(x, y):
+            problems.append(f"loss of step {step}: {x.item()!r} then {y.item()!r}")
+            break
+    return problems + _differences(a.final["state"], b.final["state"], "state", limit=2)
 
 
 # ---------------------------------------------------------------------------- comparison
@@ -180,13 +194,22 @@ def example_input(args: tuple):
     return args
 
 
-def forcing_budget(model, args, kwargs, policy: str) -> int | None:
-    """Halfway between the policy's own peak and liveness's: the runtime must act."""
+_LIVENESS_PEAK: OrderedDict = OrderedDict()   # the last case's liveness peak, for its policies
+
+
+def forcing_budget(model, args, kwargs, policy: str, key=None) -> int | None:
+    """Halfway between the policy's own peak and liveness's: the runtime must act. ``key``
+    names the case (same model, same inputs) whose liveness peak may be reused."""
     if policy == "liveness":
         return None
     extra = {"kwargs": kwargs} if kwargs else {}
     example = example_input(args)
-    liveness = sn.plan(model, example, policy="liveness", **extra).peak_bytes
+    if key is None or key not in _LIVENESS_PEAK:
+        liveness = sn.plan(model, example, policy="liveness", **extra).peak_bytes
+        if key is not None:
+            _LIVENESS_PEAK.clear()
+            _LIVENESS_PEAK[key] = liveness
+    liveness = _LIVENESS_PEAK[key] if key is not None else liveness
     floor = sn.plan(model, example, policy=policy, **extra).peak_bytes
     return (floor + liveness) // 2 if floor < liveness else None
 
@@ -226,6 +249,14 @@ def _changed(initial: dict, model: torch.nn.Module) -> list[str]:
     return problems
 
 
+def _stats(wrapped) -> dict | None:
+    try:
+        stats = wrapped.stats
+        return None if stats is None else dict(dataclasses.asdict(stats))
+    except Exception:                       # noqa: BLE001 -- informative only
+        return None
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -263,8 +294,9 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
     # change nothing in it)
     start = time.perf_counter()
     try:
-        outcome.budget = (forcing_budget(model, args, kwargs, policy) if budget == "forcing"
-                          else budget)
+        key = (name, id(builder), seed)
+        outcome.budget = (forcing_budget(model, args, kwargs, policy, key)
+                          if budget == "forcing" else budget)
     except ValueError as error:
         return refused(error, "by sn.plan")
     finally:
@@ -280,6 +312,7 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
         return refused(error, "by sn.wrap")
     got = train(model, wrapped, args, kwargs, loss_fn, steps, optimizer, seed + 1)
     outcome.wrapped_s = time.perf_counter() - start
+    outcome.stats = _stats(wrapped)
     expected = plain.trained
 
     if got.error is not None:
@@ -327,6 +360,14 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
         problems.append(f"side effects: plain {plain.final['side_effects']}, wrapped "
                         f"{managed['side_effects']}")
     if problems:
+        # before blaming the runtime: does plain PyTorch reproduce itself on this machine?
+        del wrapped, model
+        again = plain_run(build, steps=steps, optimizer=optimizer, seed=seed, fresh=True)
+        unstable = _same_training(plain, again)
+        if unstable:
+            problems.insert(0, "plain PyTorch does not reproduce itself for this model here "
+                            f"(two plain runs: {'; '.join(unstable)}), so neither can the "
+                            "wrapped one; the wrapped run against the first plain run:")
         raise MatrixFailure(f"{name}/{policy} (budget {outcome.budget}): " + "; ".join(problems))
     return outcome
 

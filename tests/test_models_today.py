@@ -8,7 +8,7 @@ and then be listed, with the reason, in matrix.EXPECTED_REFUSALS.
 - test_today[...]: the always-run subset (a few torchvision and timm networks, the Hugging Face
   models, nanoGPT, torch.nn attention, every construct);
 - test_today_matrix[...]: every case, marked ``matrix`` and collected only when ``-m`` selects
-  it: ``python -m pytest -m matrix tests/test_models_today.py`` (minutes to an hour on a CPU;
+  it: ``python -m pytest -m matrix tests/test_models_today.py`` (about an hour on 2 cores;
   benchmarks/models_today.py runs the same matrix and writes the table's record).
 
 Cases whose libraries (torchvision, transformers, timm) are not installed are skipped.

@@ -88,11 +88,13 @@ _TV_KWARGS = {
     "googlenet": {"init_weights": True},       # the default; saying so silences a FutureWarning
     "inception_v3": {"init_weights": True},
 }
-# the always-run subset
-TV_DEFAULT = ("resnet18", "efficientnet_b0", "mobilenet_v3_small", "swin_t", "maxvit_t")
+# the always-run subset (maxvit_t runs only at 224: its small sibling below is in the subset)
+TV_DEFAULT = ("resnet18", "efficientnet_b0", "mobilenet_v3_small", "swin_t")
 # hundreds of millions of weights: SGD, so that two copies and AdamW's state fit a CI machine
 _TV_HUGE = {"regnet_y_128gf", "vit_h_14", "vit_l_16", "vit_l_32"}
-# more than about 2 s for a plain run of 3 steps on 2 CPU cores (see benchmarks/models_today.py)
+# above this many weights a plain run of 3 AdamW steps takes 2 s or more on 2 CPU cores
+# (measured: vgg* 4-5 s, convnext_large 5 s, regnet_y_128gf 14 s with SGD); with 224+ inputs
+# (maxvit_t, inception_v3) 3-4 s
 _TV_SLOW_PARAMS = 60_000_000
 
 
@@ -157,6 +159,30 @@ _TV_PARAMS = {
 }
 
 
+def build_tv_maxvit_small():
+    """torchvision's MaxVit class at 32x32: partition 4, two stages of one block (the builder's
+    maxvit_t takes only multiples of 224: its partition size 7 must divide every stage)."""
+    from torchvision.models import MaxVit
+
+    model = MaxVit(input_size=(32, 32), stem_channels=16, partition_size=4,
+                   block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                   stochastic_depth_prob=0.2, num_classes=NUM_CLASSES)
+    x, y = image_batch(32)
+    return model.train(), (x,), {}, classification_loss(y)
+
+
+def build_tv_vit_small():
+    """torchvision's VisionTransformer class, two layers of width 32 on 16 patches of 8x8, with
+    dropout (the builders' smallest, vit_b_16, has 86M weights)."""
+    from torchvision.models import VisionTransformer
+
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                              hidden_dim=32, mlp_dim=64, dropout=0.1, attention_dropout=0.1,
+                              num_classes=NUM_CLASSES)
+    x, y = image_batch(32)
+    return model.train(), (x,), {}, classification_loss(y)
+
+
 def torchvision_cases() -> dict[str, Case]:
     cases = {}
     for name in torchvision_names():
@@ -169,6 +195,13 @@ def torchvision_cases() -> dict[str, Case]:
             f"tv_{name}", torchvision_builder(name), "torchvision", ("torchvision",),
             default=name in TV_DEFAULT, slow=_tv_slow(name),
             optimizer="sgd" if name in _TV_HUGE else "adamw", note=note)
+    tv = ("torchvision",)
+    cases["tv_maxvit_small"] = Case(
+        "tv_maxvit_small", build_tv_maxvit_small, "torchvision", tv, default=True,
+        note="MaxVit class, input 32, partition 4, blocks [1, 1]")
+    cases["tv_vit_small"] = Case(
+        "tv_vit_small", build_tv_vit_small, "torchvision", tv, default=True,
+        note="VisionTransformer class, input 32, patch 8, 2 layers of 32")
     return cases
 
 
