@@ -84,12 +84,14 @@ def _difference(a, b) -> float:
                if sa[k].is_floating_point()) if sa else 0.0
 
 
-def exact(out: str) -> None:
+def exact(out: str, names=()) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda")
     record = {**environment(), "part": "exact", "complete": False, "models": {}}
     for name, (build, batch) in _exact_cases(device).items():
+        if names and name not in names:
+            continue
         torch.manual_seed(0)
         base = build().to(device).train()
         args, kwargs, loss_of = batch()
@@ -107,7 +109,11 @@ def exact(out: str) -> None:
             try:
                 graph_peak = sn.plan(model, example, policy="liveness", kwargs=kwargs).peak_bytes
                 floor = sn.plan(model, example, policy=policy, kwargs=kwargs).peak_bytes
-                budget = (graph_peak + floor) // 2 if floor < graph_peak else None
+                # a budget covers all device memory: add what the other copies here hold
+                others = torch.cuda.memory_allocated() - sum(
+                    t.numel() * t.element_size() for t in (*model.parameters(),
+                                                           *model.buffers()))
+                budget = others + (graph_peak + floor) // 2 if floor < graph_peak else None
                 wrapped = sn.wrap(model, policy=policy, budget=budget)
                 losses = _train(wrapped, args, kwargs, loss_of)
                 stats = wrapped.stats
@@ -137,7 +143,7 @@ def _decoder_batch(device, batch=16, seq=1024, vocab=50257):
 
 def ratio_one(system: str, cap_bytes: int | None, steps: int = 6, warmup: int = 2) -> dict:
     """One system in this process: tokens/s and peak memory, under ``cap_bytes`` if given."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
     total = torch.cuda.get_device_properties(device).total_memory
     if cap_bytes:
         torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
@@ -217,7 +223,7 @@ def ratio(out: str) -> None:
 if __name__ == "__main__":
     part = sys.argv[1]
     if part == "exact":
-        exact(sys.argv[2])
+        exact(sys.argv[2], sys.argv[3:])
     elif part == "ratio":
         ratio(sys.argv[2])
     elif part == "one":

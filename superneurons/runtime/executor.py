@@ -293,6 +293,8 @@ class Executor:
         self.counter += 1
         if tensor.untyped_storage().data_ptr() in self.param_ptrs:
             return tensor                                            # Rule 3
+        if tensor.device.type != self.device.type:
+            return tensor     # a kernel's host-side scalars (attention's random seed and offset)
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index))
         holder = [tensor]
