@@ -94,11 +94,16 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
     try:
         program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
+        message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
+        if "data-dependent" in str(error) or "data dependent" in str(error):
+            raise ValueError(
+                f"superneurons could not capture {type(model).__name__}: {message}. Code that "
+                "branches on tensor values (not sizes) cannot be captured; move it out of the "
+                "forward, or wrap the part of the model that does not branch.") from error
         raise ValueError(
-            f"superneurons could not capture {type(model).__name__} with torch.export: "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}. Code that "
-            "branches on tensor values (not sizes) cannot be captured; move it out of the "
-            "forward, or wrap the part of the model that does not branch.") from error
+            f"calling {type(model).__name__} with these arguments fails: {message}. Check "
+            "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
+            "cannot capture it: file an issue with the model.") from error
     return _with_model_state(program, model)
 
 

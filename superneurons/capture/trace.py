@@ -19,6 +19,7 @@ Rule 6: each layer's forward and backward scratch, the temporaries l_f and l_b d
 """
 
 import contextlib
+import math
 import operator
 
 import torch
@@ -100,12 +101,16 @@ def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def capture(model: nn.Module, example_input, autocast=None, kwargs=None) -> LayerGraph:
+def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
+            tracer: str = "auto") -> LayerGraph:
     """The layer graph of ``model`` called like ``model(*example_args(example_input),
     **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
-    under, or None."""
+    under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace
+    (to compare the two)."""
     args, kwargs = example_args(example_input), dict(kwargs or {})
-    if _fx_is_exact(model, args, kwargs):
+    if tracer not in ("auto", "export"):
+        raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
+    if tracer == "auto" and _fx_is_exact(model, args, kwargs):
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
         exported = export_graph(model, args, kwargs)
@@ -128,6 +133,22 @@ def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:
     except Exception as error:  # noqa: BLE001 -- pytree raises several kinds
         raise ValueError(f"the call's arguments do not match the captured signature: {error}") \
             from error
+
+
+def _fused_attention(args, kwargs, fresh: dict, outputs: tuple, out_tensors: list) -> tuple:
+    """What attention saves on a device: its fused kernels (flash, memory-efficient, cuDNN, and
+    the CPU's flash) keep the query, key, value, mask and output and a log-sum-exp per query
+    row, and make no scratch the size of the attention matrix. On meta tensors attention takes
+    the math path, which saves that matrix: planning by it would count bytes no step holds and
+    miss that the key and value themselves are read again in backward."""
+    value_of = {id(t): v for v, t in fresh.items()}
+    operands = [*args[:4], kwargs.get("attn_mask")]
+    saved = [Saved(value_of[id(t)]) for t in operands
+             if isinstance(t, torch.Tensor) and id(t) in value_of]
+    saved += [Saved(v) for v in outputs]
+    query = args[0]
+    saved.append(Saved(None, math.prod(query.shape[:-1]) * 4))   # the float32 log-sum-exp
+    return tuple(dict.fromkeys(saved)), (0, 0)
 
 
 class _Analyzer:
@@ -342,6 +363,8 @@ class _Analyzer:
                     ("output", outputs.index(entry.value)) if entry.value in outputs else
                     ("input", order.index(entry.value)) for entry in saved], scratch, random)
         out_tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            saved, scratch = _fused_attention(args, kwargs, fresh, outputs, out_tensors)
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
                       outputs=outputs, saved=saved, mutates=mutates, random=random,
                       module=module, forward_scratch=scratch[0], backward_scratch=scratch[1],
@@ -368,11 +391,15 @@ class _Analyzer:
             with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), watch, \
                     (self.autocast or contextlib.nullcontext()):
                 result = self._call(node, module, args, kwargs)
-        except Exception as error:
-            raise ValueError(f"layer {name!r} ({node.format_node()}) failed on the meta device: "
-                             f"{error}. superneurons needs every layer to accept meta tensors; "
-                             "make it a module without children or file an issue with the model.") \
-                from error
+        except NotImplementedError as error:
+            raise ValueError(f"layer {name!r} cannot run on the meta device, where superneurons "
+                             f"plans without allocating: {error}. Make it a module without "
+                             "children, or file an issue with the model.") from error
+        except Exception as error:  # the model's own error on these inputs
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
+            raise ValueError(f"layer {name!r} fails on its inputs ({shapes}): {error}. Plain "
+                             "PyTorch fails the same way: check the model's inputs (their "
+                             "number, shapes and dtypes).") from error
         mutated = [k for k, t in enumerate(tensors) if t._version != versions[k]]
         return result, packed, mutated, watch
 

@@ -66,12 +66,9 @@ class SegmentNeeds:
             if self.graph.values[v].producer not in inside))
 
     def replay_inputs(self, segment) -> tuple:
-        """What a segment that replays keeps until its last replay: all its outside inputs, so
-        that a replay the runtime needs beyond the planned ones (a kernel on the device that
-        saves other tensors than its meta twin did) still has them. None if it never replays."""
-        if not self.replays[segment.index]:
-            return ()
-        return self.inputs_read(segment, len(segment.layers) - 1)
+        """What the segment's deepest replay reads: its other inputs may go after forward."""
+        last = max((position for _, position in self.replays[segment.index]), default=-1)
+        return self.inputs_read(segment, last)
 
 
 def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actions: list,
@@ -82,10 +79,6 @@ def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actio
         for step, last in needs.replays[segment.index]:
             for value in needs.inputs_read(segment, last):
                 extra_uses[graph.values[value].storage].append(step)
-        if needs.replays[segment.index]:            # kept until the segment's last replay
-            last_replay = max(step for step, _ in needs.replays[segment.index])
-            for value in needs.replay_inputs(segment):
-                extra_uses[graph.values[value].storage].append(last_replay)
     checkpoint_steps = sorted(timeline.bwd(l.index) for l in graph.layers
                               if l.kind in CHECKPOINT_KINDS)
 
