@@ -39,7 +39,7 @@ def test_bad_arguments_say_what_to_do():
         sn.wrap(small_resnet(), budget="twelve gigs")
     with pytest.raises(ValueError, match="nn.Module"):
         sn.wrap(lambda x: x)
-    with pytest.raises(ValueError, match=r"fails on its inputs \(\(2, 5, 32, 32\).*channels"):
+    with pytest.raises(ValueError, match=r"fails on its inputs \(\(2, 5, 32, 32\).*channel"):
         sn.wrap(small_resnet())(torch.randn(2, 5, 32, 32))      # what plain PyTorch says
     with pytest.raises(ValueError, match="with these arguments fails.*positional"):
         sn.wrap(small_resnet())(X, X)
