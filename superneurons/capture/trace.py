@@ -291,15 +291,27 @@ class _Analyzer:
                         saved_by.setdefault(self.values[entry.value].storage, layer.index)
 
     def _order_in_place_writes(self, order_deps: dict) -> None:
-        """A layer writing a storage in place runs after every earlier reader of that storage."""
-        readers: dict = {}
+        """Storages written in place keep program order: a layer writing a storage runs after
+        every earlier reader and writer of it, and a layer reading a storage after the last
+        earlier writer, also when it reads the storage through another value than the writer's
+        (a mask filled slice by slice through views, then read as a whole)."""
+        last_writer: dict = {}
+        readers: dict = {}              # storage -> readers since its last write
         for layer in self.layers:
+            reads = {self.values[v].storage for v in layer.inputs}
+            deps = {last_writer[s] for s in reads if s in last_writer}
             for storage in layer.mutates:
-                before = {r for r in readers.get(storage, ()) if r != layer.index}
-                if before:
-                    order_deps.setdefault(layer.index, set()).update(before)
-            for value in layer.inputs:
-                readers.setdefault(self.values[value].storage, []).append(layer.index)
+                deps.update(readers.get(storage, ()))
+                if storage in last_writer:
+                    deps.add(last_writer[storage])
+            deps.discard(layer.index)
+            if deps:
+                order_deps.setdefault(layer.index, set()).update(deps)
+            for storage in reads:
+                readers.setdefault(storage, set()).add(layer.index)
+            for storage in layer.mutates:
+                last_writer[storage] = layer.index
+                readers[storage] = set()
 
     def _run_layer(self, node: fx.Node, name: str) -> tuple:
         """Run one layer on meta tensors: (its Layer, the layers it must follow beyond data)."""
