@@ -38,6 +38,7 @@ def _check(name: str, policy: str):
         assert outcome.reason, f"{name}/{policy}: refused with an empty message"
         assert reason, (f"{name}/{policy} is refused ({outcome.reason}) but not listed in "
                         "matrix.EXPECTED_REFUSALS")
+        assert reason in outcome.reason, (name, policy, outcome.reason)
     else:
         assert reason is None, (f"{name}/{policy} trains exactly, yet matrix.EXPECTED_REFUSALS "
                                 f"lists it as refused ({reason}): remove it there")
