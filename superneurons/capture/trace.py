@@ -409,7 +409,8 @@ class _Analyzer:
                              "children, or file an issue with the model.") from error
         except Exception as error:  # the model's own error on these inputs
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
-            raise ValueError(f"layer {name!r} fails on its inputs ({shapes}): {error}. Plain "
+            raise ValueError(f"layer {name!r} fails on its inputs ({shapes}): "
+                             f"{str(error).rstrip('.')}. Plain "
                              "PyTorch fails the same way: check the model's inputs (their "
                              "number, shapes and dtypes).") from error
         mutated = [k for k, t in enumerate(tensors) if t._version != versions[k]]
