@@ -59,3 +59,11 @@ def test_cli_bad_budget_exits_without_a_traceback():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "--budget" in done.stderr
+
+
+def test_memory_held_by_others_beyond_the_budget_is_named():
+    from superneurons.runtime.module import budget_left
+    assert budget_left(10 * 2**30, 2**30, "cuda:0") == 9 * 2**30
+    with pytest.raises(ValueError, match=r"already hold 11.00 GiB on cuda:0, all of the budget "
+                                         r"of 10.00 GiB"):
+        budget_left(10 * 2**30, 11 * 2**30, "cuda:0")

@@ -53,13 +53,7 @@ class SuperNeuronsModule(nn.Module):
         graph = capture(self.model, args, autocast, kwargs)
         budget = self.budget_bytes
         if budget is not None and device.type == "cuda":
-            others = foreign_bytes(graph, tensors)
-            if others >= budget:
-                raise ValueError(
-                    f"tensors the model does not own already hold {format_bytes(others)} on "
-                    f"{device}, all of the budget of {format_bytes(budget)}: free them (optimizer "
-                    "state of another model, cached batches) or raise the budget")
-            budget -= others
+            budget = budget_left(budget, foreign_bytes(graph, tensors), device)
         if budget is not None and self.policy in _MANAGED:
             try:
                 return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
@@ -119,6 +113,17 @@ class SuperNeuronsModule(nn.Module):
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda)
+
+
+def budget_left(budget: int, others: int, device) -> int:
+    """What a budget leaves the model once ``others`` bytes on the device are not its own."""
+    if others >= budget:
+        raise ValueError(
+            f"tensors the model does not own already hold {format_bytes(others)} on {device}, "
+            f"all of the budget of {format_bytes(budget)}: free them (optimizer state of "
+            "another model, cached batches) or raise the budget above "
+            f"{format_bytes(others)} plus what the model needs")
+    return budget - others
 
 
 def _call_key(args: tuple, kwargs: dict) -> tuple:
