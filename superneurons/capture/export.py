@@ -34,13 +34,11 @@ class ExportedGraph:
     out_spec: pytree.TreeSpec      # how the graph's outputs rebuild the model's output
 
 
-def hooks_of(model: nn.Module, *, leaves_too: bool = True) -> list:
+def hooks_of(model: nn.Module) -> list:
     """Descriptions of the module hooks a captured graph could not run every step."""
     found = []
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     for name, module in model.named_modules():
-        if not leaves_too and not module._modules:
-            continue
         for kind in kinds:
             if getattr(module, kind, None):
                 found.append(f"{kind[1:-1].replace('_', ' ')} on {name or type(model).__name__}")
@@ -87,7 +85,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
             f"{type(model).__name__} has {', '.join(hooks[:3])}"
             f"{' and more' if len(hooks) > 3 else ''}: superneurons runs a graph captured once, "
             "so a hook's Python would not run every step. Remove the hook, or register it on "
-            "the wrapped model (sn.wrap(...)) where it runs on every call.")
+            "the wrapped model (sn.wrap(...)) where it runs on every call. (torch.nn.utils."
+            "weight_norm and spectral_norm work by hooks: use torch.nn.utils.parametrizations' "
+            "instead.)")
     state = next(iter(model.parameters()), None)
     device = state.device if state is not None else torch.device("cpu")
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)))
@@ -146,9 +146,25 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
             continue
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
+    _read_state_written_in_place(graph)
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     call_spec = program.call_spec
     return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
+
+
+def _read_state_written_in_place(graph: fx.Graph) -> None:
+    """An in-place operation returns the tensor it wrote: where that is model state (a
+    BatchNorm's step count, counted again by a second call of the module), later readers read
+    the state itself, so capture sees state read and written, which replays copy."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        returns = target._schema.returns
+        if node.args[0].op == "get_attr" and returns and returns[0].alias_info is not None \
+                and returns[0].alias_info.is_write:
+            node.replace_all_uses_with(node.args[0])
 
 
 def _without_checks(region: fx.GraphModule) -> fx.GraphModule:
@@ -172,4 +188,5 @@ def _model_state(model: nn.Module, target: str, program) -> torch.Tensor:
     try:
         return model.get_buffer(target)
     except AttributeError:
-        return program.state_dict.get(target, program.constants.get(target))
+        raise ValueError(f"torch.export names {target!r}, which {type(model).__name__} does not "
+                         "hold as a parameter or buffer; file an issue with the model") from None

@@ -44,7 +44,8 @@ _ONE_KERNEL_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear,
                        nn.AdaptiveAvgPool3d, nn.Dropout, nn.Identity, nn.Flatten)
 _ONE_KERNEL_FUNCTIONS = {torch.cat, torch.add, operator.add, operator.iadd, torch.flatten,
                          torch.relu, torch.nn.functional.relu, operator.getitem}
-# the same for ATen operations (exported graphs), by overload packet; views have no backward
+# the same for ATen operations (exported graphs), by overload packet; a view's backward is
+# a view or one copy
 _ONE_KERNEL_ATEN = {"conv1d", "conv2d", "conv3d", "convolution", "linear", "addmm", "mm", "bmm",
                     "batch_norm", "layer_norm", "relu", "relu_", "max_pool2d", "avg_pool2d",
                     "adaptive_avg_pool2d", "dropout", "add", "add_", "cat", "view", "reshape",

@@ -25,6 +25,7 @@ import operator
 import torch
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .autocast import AutocastOnMeta
@@ -36,6 +37,18 @@ from .scratch import LiveBytes, backward_scratch, one_kernel_backward
 
 
 _META = torch.device("meta")
+
+
+class _DevicesOnMeta(TorchFunctionMode):
+    """Every device an operation names becomes the meta device, inside grad-mode and autocast
+    regions too: an exported graph names the example's device (arange, to) where capture runs
+    on meta tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = pytree.tree_map_only(torch.device, lambda _: _META, (args, kwargs or {}))
+        if "device" in kwargs and kwargs["device"] is not None:
+            kwargs["device"] = _META
+        return func(*args, **kwargs)
 
 
 class _LeafTracer(fx.Tracer):
@@ -71,9 +84,15 @@ def _layer_name(node: fx.Node, seen: dict, exported: bool) -> str:
     return base if seen[base] == 1 else f"{base}#{seen[base]}"
 
 
+class Arguments(tuple):
+    """The model's positional arguments as they are (integers included, never a shape)."""
+
+
 def example_args(example_input) -> tuple:
     """The model's positional arguments from what a user passes as an example: a tensor, a shape
     tuple (a meta tensor of that shape) or a tuple of the model's arguments."""
+    if isinstance(example_input, Arguments):
+        return tuple(example_input)
     if isinstance(example_input, torch.Tensor):
         return (example_input,)
     if isinstance(example_input, (tuple, list)) and example_input and \
@@ -135,7 +154,11 @@ def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:
             from error
 
 
-def _fused_attention(args, kwargs, fresh: dict, outputs: tuple, out_tensors: list) -> tuple:
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _fused_attention(args, kwargs, fresh: dict, outputs: tuple) -> tuple:
     """What attention saves on a device: its fused kernels (flash, memory-efficient, cuDNN, and
     the CPU's flash) keep the query, key, value, mask and output and a log-sum-exp per query
     row, and make no scratch the size of the attention matrix. On meta tensors attention takes
@@ -167,6 +190,7 @@ class _Analyzer:
         self.meta_tensors: list = []  # keeps env tensors alive so their ids stay unique
         self.attr_ids: set = set()    # meta twins of tensors read with get_attr (model state)
         self.attr_node: dict = {}     # id(meta twin) -> its get_attr node
+        self.state_storage: dict = {}  # storage key of a meta twin -> a storage of no bytes
         self.layer_of: dict = {}      # fx node -> index of the layer it is
         self.memo: dict = {}          # memo key -> Pattern (Rule 4)
 
@@ -214,6 +238,8 @@ class _Analyzer:
                 self.env[node] = _meta_like(attr) if isinstance(attr, torch.Tensor) else attr
                 self.attr_ids.add(id(self.env[node]))
                 self.attr_node[id(self.env[node])] = node
+                if isinstance(attr, torch.Tensor):
+                    self.state_storage[_storage_key(self.env[node])] = self._new_storage(0, None)
             elif node.op == "output":
                 outputs = tuple(self.value_of[id(t)] for t in
                                 pytree.tree_leaves(fx.node.map_arg(node.args[0], self.env.get))
@@ -358,6 +384,11 @@ class _Analyzer:
             random = watch.random
             written = watch.written
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
+        if set(mutates) & set(self.state_storage.values()):
+            raise ValueError(
+                f"layer {name!r} ({node.format_node()}) writes model state in place through a "
+                "view (such as self.buffer[0].mul_(...)); superneurons cannot replay that "
+                "exactly. Write the whole tensor (self.buffer.mul_(...), or index_put_ on it).")
         outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
         if pattern is not None:
             saved = tuple(Saved(outputs[at]) if source == "output" else
@@ -376,7 +407,7 @@ class _Analyzer:
                     ("input", order.index(entry.value)) for entry in saved], scratch, random)
         out_tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            saved, scratch = _fused_attention(args, kwargs, fresh, outputs, out_tensors)
+            saved, scratch = _fused_attention(args, kwargs, fresh, outputs)
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
                       outputs=outputs, saved=saved, mutates=mutates, random=random,
                       module=module, forward_scratch=scratch[0], backward_scratch=scratch[1],
@@ -418,7 +449,11 @@ class _Analyzer:
 
     def _call(self, node, module, args, kwargs):
         if node.op == "call_function":            # exported graphs name the example's device
-            args, kwargs = pytree.tree_map_only(torch.device, lambda _: _META, (args, kwargs))
+            with _DevicesOnMeta():
+                return self._call_unmoved(node, module, args, kwargs)
+        return self._call_unmoved(node, module, args, kwargs)
+
+    def _call_unmoved(self, node, module, args, kwargs):
         if node.op == "call_module":
             state = self._state(module)
             if not state:
@@ -441,16 +476,19 @@ class _Analyzer:
         return getattr(self_obj, node.target)(*rest, **kwargs)
 
     def _record_outputs(self, result, fresh: dict, index: int):
-        by_identity = {id(t): v for v, t in fresh.items()}
+        # storages by identity: an output on an input's storage is that input written in place,
+        # a view of it or an alias (detach() has no _base)
+        by_storage = {_storage_key(t): self.values[v].storage for v, t in fresh.items()}
         outputs, output_ids = [], {}
 
         def record(tensor):
             if not isinstance(tensor, torch.Tensor):
                 return tensor
-            if id(tensor) in by_identity:        # in place: a new value on the same storage
-                storage = self.values[by_identity[id(tensor)]].storage
-            elif tensor._base is not None and id(tensor._base) in by_identity:  # a view
-                storage = self.values[by_identity[id(tensor._base)]].storage
+            key = _storage_key(tensor)
+            if key in by_storage:
+                storage = by_storage[key]
+            elif key in self.state_storage:        # a view of model state: resident, no bytes
+                storage = self.state_storage[key]
             else:
                 storage = self._new_storage(tensor.untyped_storage().nbytes(), index)
             plain, value = self._new_value(tensor, index, storage, tensor.requires_grad)
@@ -468,8 +506,6 @@ class _Analyzer:
             state |= {id(t) for t in self._state(module).values()}
             state |= {id(t) for t in module.parameters(recurse=False)}
             state |= {id(t) for t in module.buffers(recurse=False)}
-        if module is not None:
-            state |= {id(t) for t in module.parameters(recurse=False)}
         saved, seen = [], set()
         for tensor in packed:
             if id(tensor) in seen:

@@ -107,7 +107,8 @@ def _never(_):
 
 
 class Executor:
-    def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True):
+    def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
+                 model=None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows
@@ -123,12 +124,10 @@ class Executor:
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
-        # model state, listed once: walking the module tree every step cost host time
-        # proportional to the number of layers (a parameter replaced later is then merely
-        # pooled like an activation, still exact)
-        self.parameters = list(self.gm.parameters())
-        self.param_ptrs = {t.untyped_storage().data_ptr()
-                           for t in (*self.parameters, *self.gm.buffers())}
+        # model state is read from the model itself at every step (Rule 3): the user may have
+        # replaced a tensor since capture (model.double().float(), load_state_dict(assign=True))
+        self.model = self.gm if model is None else model
+        self._read_state()
         self.num_layers = len(plan.order)
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
@@ -144,6 +143,11 @@ class Executor:
         self.pending: list = []
         self.recomputed_layers = 0
         self.accounted_peak = 0
+
+    def _read_state(self) -> None:
+        self.parameters = list(self.model.parameters())
+        self.param_ptrs = {t.untyped_storage().data_ptr()
+                           for t in (*self.parameters, *self.model.buffers())}
 
     def _liveness(self, graph) -> None:
         """Rule 1: after which route position each fx node's value can be dropped."""
@@ -229,8 +233,9 @@ class Executor:
             self.calibrating = self.calibration_left > 0
             self.calibration_left = max(0, self.calibration_left - 1)
         env = dict(zip(self.placeholders, args))
+        self._read_state()
         for node in self.attrs:
-            env[node] = operator.attrgetter(node.target)(self.gm)
+            env[node] = self._state(node)
         with saved_tensors_hooks(self._pack, self._unpack):
             for position, layer_index in enumerate(self.plan.order):
                 layer = self.graph.layers[layer_index]
@@ -383,12 +388,17 @@ class Executor:
             inputs[node] = obj
         random = any(self.graph.layers[l].random for l in segment.layers)
         rng = capture_rng(self.device) if random else None
-        state = {node: self._state(node).clone() for node in self.segment_state[segment.index]
-                 if node in self.mutable_state}
+        state = {node: self._state(node).detach().clone()
+                 for node in self.segment_state[segment.index] if node in self.mutable_state}
         return SegmentRecord(self, segment, inputs, rng, self.autocast, state)
 
     def _state(self, node: fx.Node):
-        return operator.attrgetter(node.target)(self.gm)
+        """A get_attr node's object: the model's own tensor by its name, else the graph's
+        (constants, the bodies of grad-mode and autocast regions)."""
+        try:
+            return operator.attrgetter(node.target)(self.model)
+        except AttributeError:
+            return operator.attrgetter(node.target)(self.gm)
 
     def replay(self, record: SegmentRecord, last: int, wanted: set) -> None:
         """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""

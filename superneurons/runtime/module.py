@@ -1,8 +1,10 @@
 """wrap(): a drop-in nn.Module whose training steps run within a memory budget.
 
 Rule 1: the plan is made at the first forward for each input structure, tensor shape and
-        dtype, value of every non-tensor argument (a captured graph specializes on them) and
-        autocast state, and reused (a step under bf16 autocast holds about half the bytes).
+        dtype, value of every non-tensor argument (a captured graph specializes on them),
+        every module's training mode, every parameter's requires_grad and the autocast state,
+        and reused (a step under bf16 autocast holds about half the bytes). Other Python state
+        the forward reads is fixed at capture: replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
         no hook, no copy, no replay (plain PyTorch already frees tensors after last use).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
@@ -15,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..capture import capture
-from ..capture.trace import flat_inputs
+from ..capture.trace import Arguments, flat_inputs
 from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..units import format_bytes, parse_bytes
@@ -42,15 +44,31 @@ class SuperNeuronsModule(nn.Module):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
         where the model runs untouched)."""
         tensors, key = _call_key(args, kwargs)
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = self._device(tensors)
         autocast = autocast_state(device.type)
-        key = (key, self.model.training, autocast)
+        # every module's mode and every parameter's requires_grad: a graph specializes on both
+        # (BatchNorm frozen by eval(), progressive unfreezing)
+        key = (key, tuple(m.training for m in self.model.modules()),
+               tuple(p.requires_grad for p in self.model.parameters()), autocast)
         if key not in self._executors:
             self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
         return self._executors[key]
 
+    def replan(self) -> None:
+        """Forget every plan: the next step captures the model again. A captured graph fixes
+        the Python attributes the forward reads (a dropout's p, a flag in a config); call this
+        after changing one."""
+        self._executors.clear()
+        self._last = None
+
+    def _device(self, tensors: list) -> torch.device:
+        """Where the step runs: where the model lives (an input may be a host-side scalar)."""
+        for state in (*self.model.parameters(), *self.model.buffers()):
+            return state.device
+        return tensors[0].device if tensors else torch.device("cpu")
+
     def _make(self, args, kwargs, tensors: list, device, autocast):
-        graph = capture(self.model, args, autocast, kwargs)
+        graph = capture(self.model, Arguments(args), autocast, kwargs)
         budget = self.budget_bytes
         if budget is not None and device.type == "cuda":
             budget = budget_left(budget, foreign_bytes(graph, tensors), device)
@@ -63,14 +81,17 @@ class SuperNeuronsModule(nn.Module):
         if plan.policy not in _MANAGED:
             return plan, None
         if self.budget_bytes is None:
-            return plan, Executor(plan, device, plan.peak_bytes, count_foreign=False)
-        return plan, Executor(plan, device, self.budget_bytes)
+            return plan, Executor(plan, device, plan.peak_bytes, count_foreign=False,
+                                  model=self.model)
+        return plan, Executor(plan, device, self.budget_bytes, model=self.model)
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         plan, executor = self.plan_for(*args, **kwargs)
-        device = executor.device if executor is not None else _device_of(args, kwargs)
+        device = executor.device if executor is not None else \
+            self._device([t for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._last = (plan, executor, device)
@@ -88,9 +109,10 @@ class SuperNeuronsModule(nn.Module):
             raise RuntimeError(
                 f"out of device memory inside a superneurons step (policy {plan.policy}, budget "
                 f"{format_bytes(executor.budget_bytes)}): something outside the plan holds memory "
-                "(other tensors, another process, fragmentation). The model and optimizer are "
-                "unchanged; lower the budget or the batch, or set PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:True") from error
+                "(other tensors, another process, fragmentation). The optimizer has not "
+                "stepped (running statistics this forward updated have moved); lower the budget "
+                "or the batch, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") \
+                from error
 
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
@@ -129,7 +151,7 @@ def budget_left(budget: int, others: int, device) -> int:
 def _call_key(args: tuple, kwargs: dict) -> tuple:
     """(the call's tensors, a key that differs wherever a plan could): tensors by shape, dtype,
     device and requires_grad, anything else by value (a graph specializes on it)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
     tensors, key = [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -144,22 +166,23 @@ def _call_key(args: tuple, kwargs: dict) -> tuple:
     return tensors, (spec, tuple(key))
 
 
-def _device_of(args, kwargs) -> torch.device:
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
-
-
 def _own_keys(module, state_dict, prefix, local_metadata) -> None:
     inner = prefix + "model."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:           # the modules' versions, under the model's own names
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[(prefix + key[len(inner):]).rstrip(".")] = metadata.pop(key)
 
 
 def _wrapper_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
                   errors) -> None:
-    inner = prefix + "model."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    # only the model's own keys move under "model.": a model may have a child named "model"
+    # itself (HF's LlamaForCausalLM), whose keys already start so
+    own = set(module.model.state_dict(keep_vars=True))
+    for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] in own]:
+        state_dict[prefix + "model." + key[len(prefix):]] = state_dict.pop(key)
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware"):
