@@ -6,7 +6,8 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
         it becomes a slot to replay; in a checkpoint layer it is matched, by storage, with the
         layer's inputs and outputs, and the plan's action for that storage decides: KEEP (stays
         as is), OFFLOAD (into the Tensor Pool), RECOMPUTE (replayed from its segment).
-Rule 3: parameters and buffers are model state: saved as they are, never moved.
+Rule 3: parameters and buffers are model state: saved as they are, never moved, and read from
+        the model at every step.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan (allocator
         rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
         what is really allocated when that is more than the plan says, and calibrate the
