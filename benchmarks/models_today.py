@@ -95,15 +95,18 @@ def table(rows, policies, width=110):
               + " " + reason_of(outcomes)[:width])
 
 
-def markdown(path: str) -> str:
-    """The README's table from a record written by this script."""
+def markdown(paths: list) -> str:
+    """The README's table from records written by this script (several: one table)."""
     import json
 
-    with open(path) as f:
-        record = json.load(f)
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    record = records[0]
     policies = record["policies"]
     by_case = {}
-    for r in record["results"]:
+    for r in (r for each in records for r in each["results"]):
         by_case.setdefault(r["case"], {"group": r["group"], "runs": {}})["runs"][r["policy"]] = r
     cell = {"exact": "exact", "refused": "refused", "FAILED": "**FAILED**", "skipped": "skipped"}
     lines = [f"| model | group | {' | '.join(policies)} | reason |",
@@ -118,7 +121,8 @@ def markdown(path: str) -> str:
                      + f" | {reason} |")
     versions_line = ", ".join(f"{k} {record.get(k)}" for k in
                               ("torch", "torchvision", "transformers", "timm"))
-    return "\n".join(lines) + f"\n\n({record['command']}; {versions_line})"
+    commands = "; ".join(each["command"] for each in records)
+    return "\n".join(lines) + f"\n\n({commands}; {versions_line})"
 
 
 def main(argv=None):
@@ -134,8 +138,9 @@ def main(argv=None):
     parser.add_argument("--out", help=f"the record (default {os.path.relpath(DEFAULT_OUT)}; "
                         f"a selection's: {os.path.relpath(PARTIAL_OUT)})")
     parser.add_argument("--quiet", action="store_true", help="no line per run while running")
-    parser.add_argument("--markdown", metavar="RECORD",
-                        help="print RECORD's table in Markdown (for the README) and run nothing")
+    parser.add_argument("--markdown", metavar="RECORD", nargs="+",
+                        help="print the records' table in Markdown (for the README) and run "
+                             "nothing")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(args.markdown))
