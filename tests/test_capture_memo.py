@@ -75,11 +75,11 @@ def test_memoized_capture_equals_a_full_run_on_traps(make, monkeypatch):
 
 def test_repeated_layers_are_run_once(monkeypatch):
     calls = []
-    original = trace._Analyzer._run
+    original = trace.Analyzer._run
 
     def counting(self, *args):
         calls.append(args[2])
         return original(self, *args)
-    monkeypatch.setattr(trace._Analyzer, "_run", counting)
+    monkeypatch.setattr(trace.Analyzer, "_run", counting)
     graph = capture(meta_model("resnet", depth=152), (2, 3, 64, 64))
     assert len(calls) < len(graph.layers) // 3

@@ -2,6 +2,7 @@
 
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import Kind
-from .trace import capture, trace
+from .entry import capture
+from .trace import trace
 
 __all__ = ["capture", "trace", "Kind", "Layer", "LayerGraph", "Saved", "Storage", "Value"]

@@ -1,6 +1,7 @@
 """Capture: any nn.Module as a graph of layers, then each layer run on the meta device.
 
-Rule 1: a model whose forward code the project wrote (the zoo, torch.nn containers) is traced by
+Rule 1 (entry.py applies it): a model whose forward code the project wrote (the zoo, torch.nn
+        containers) is traced by
         torch.fx down to its leaf modules, which run as layers; functions and tensor methods
         between leaves (add, cat, flatten) are layers too. Any other model is captured by
         torch.export (export.py), whose ATen operations are the layers: fx drops grad-mode and
@@ -19,36 +20,20 @@ Rule 6: each layer's forward and backward scratch, the temporaries l_f and l_b d
 """
 
 import contextlib
-import math
 import operator
 
 import torch
 from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from .aten import DevicesOnMeta, fused_attention, storage_key
 from .autocast import AutocastOnMeta
-from .export import export_graph, hooks_of, module_path
+from .export import module_path
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import flops_of, kind_of
 from .memo import Pattern, memo_key
 from .scratch import LiveBytes, backward_scratch, one_kernel_backward
-
-
-_META = torch.device("meta")
-
-
-class _DevicesOnMeta(TorchFunctionMode):
-    """Every device an operation names becomes the meta device, inside grad-mode and autocast
-    regions too: an exported graph names the example's device (arange, to) where capture runs
-    on meta tensors."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = pytree.tree_map_only(torch.device, lambda _: _META, (args, kwargs or {}))
-        if "device" in kwargs and kwargs["device"] is not None:
-            kwargs["device"] = _META
-        return func(*args, **kwargs)
 
 
 class _LeafTracer(fx.Tracer):
@@ -70,7 +55,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
     meta = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
     return meta.requires_grad_(tensor.requires_grad)
 
@@ -84,97 +69,7 @@ def _layer_name(node: fx.Node, seen: dict, exported: bool) -> str:
     return base if seen[base] == 1 else f"{base}#{seen[base]}"
 
 
-class Arguments(tuple):
-    """The model's positional arguments as they are (integers included, never a shape)."""
-
-
-def example_args(example_input) -> tuple:
-    """The model's positional arguments from what a user passes as an example: a tensor, a shape
-    tuple (a meta tensor of that shape) or a tuple of the model's arguments."""
-    if isinstance(example_input, Arguments):
-        return tuple(example_input)
-    if isinstance(example_input, torch.Tensor):
-        return (example_input,)
-    if isinstance(example_input, (tuple, list)) and example_input and \
-            all(isinstance(d, int) and not isinstance(d, bool) for d in example_input):
-        if not all(d > 0 for d in example_input):
-            raise ValueError(f"an input shape must be positive integers, got {tuple(example_input)}")
-        return (torch.empty(tuple(example_input), device="meta"),)
-    if isinstance(example_input, (tuple, list)):
-        return tuple(example_input)
-    raise ValueError("example_input must be a tensor (any device, meta included), a shape tuple "
-                     "such as (32, 3, 224, 224), or a tuple of the model's positional arguments, "
-                     f"not {type(example_input).__name__}")
-
-
-def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Rule 1: fx replays a forward exactly only where the project knows that forward: one
-    tensor in, modules with children from the zoo or torch.nn's containers, no hooks."""
-    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
-        return False
-    return all(not module._modules or type(module) in _CONTAINERS
-               or type(module).__module__.startswith("superneurons.models")
-               for module in model.modules())
-
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-
-def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
-            tracer: str = "auto") -> LayerGraph:
-    """The layer graph of ``model`` called like ``model(*example_args(example_input),
-    **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
-    under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace
-    (to compare the two)."""
-    args, kwargs = example_args(example_input), dict(kwargs or {})
-    if tracer not in ("auto", "export"):
-        raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
-    if tracer == "auto" and _fx_is_exact(model, args, kwargs):
-        gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
-    else:
-        exported = export_graph(model, args, kwargs)
-        gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
-        flat = flat_inputs(in_spec, args, kwargs)
-    meta = [_meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
-    graph = _Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
-    graph.in_spec, graph.out_spec = in_spec, out_spec
-    graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return graph
-
-
-def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:
-    """The graph's inputs from a call's (args, kwargs), flattened as export's spec orders them;
-    a ValueError where the call's structure differs (another argument, a missing keyword)."""
-    from torch.fx._pytree import tree_flatten_spec
-    try:
-        return list(tree_flatten_spec((tuple(args), dict(kwargs)), in_spec))
-    except Exception as error:  # noqa: BLE001 -- pytree raises several kinds
-        raise ValueError(f"the call's arguments do not match the captured signature: {error}") \
-            from error
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _fused_attention(args, kwargs, fresh: dict, outputs: tuple) -> tuple:
-    """What attention saves on a device: its fused kernels (flash, memory-efficient, cuDNN, and
-    the CPU's flash) keep the query, key, value, mask and output and a log-sum-exp per query
-    row, and make no scratch the size of the attention matrix. On meta tensors attention takes
-    the math path, which saves that matrix: planning by it would count bytes no step holds and
-    miss that the key and value themselves are read again in backward."""
-    value_of = {id(t): v for v, t in fresh.items()}
-    operands = [*args[:4], kwargs.get("attn_mask")]
-    saved = [Saved(value_of[id(t)]) for t in operands
-             if isinstance(t, torch.Tensor) and id(t) in value_of]
-    saved += [Saved(v) for v in outputs]
-    query = args[0]
-    saved.append(Saved(None, math.prod(query.shape[:-1]) * 4))   # the float32 log-sum-exp
-    return tuple(dict.fromkeys(saved)), (0, 0)
-
-
-class _Analyzer:
+class Analyzer:
     """Walks the traced graph once, running each layer on meta tensors (Rules 2 and 3)."""
 
     def __init__(self, gm: fx.GraphModule, autocast=None, exported: bool = False):
@@ -210,7 +105,7 @@ class _Analyzer:
     def _state(self, module: nn.Module) -> dict:
         if module not in self.meta_state:
             own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
-            self.meta_state[module] = {name: _meta_like(t) for name, t in own.items()
+            self.meta_state[module] = {name: meta_like(t) for name, t in own.items()
                                        if t is not None and t.device.type != "meta"}
         return self.meta_state[module]
 
@@ -235,11 +130,11 @@ class _Analyzer:
                 input_nodes.append(node)
             elif node.op == "get_attr":
                 attr = operator.attrgetter(node.target)(self.gm)
-                self.env[node] = _meta_like(attr) if isinstance(attr, torch.Tensor) else attr
+                self.env[node] = meta_like(attr) if isinstance(attr, torch.Tensor) else attr
                 self.attr_ids.add(id(self.env[node]))
                 self.attr_node[id(self.env[node])] = node
                 if isinstance(attr, torch.Tensor):
-                    self.state_storage[_storage_key(self.env[node])] = self._new_storage(0, None)
+                    self.state_storage[storage_key(self.env[node])] = self._new_storage(0, None)
             elif node.op == "output":
                 outputs = tuple(self.value_of[id(t)] for t in
                                 pytree.tree_leaves(fx.node.map_arg(node.args[0], self.env.get))
@@ -407,7 +302,7 @@ class _Analyzer:
                     ("input", order.index(entry.value)) for entry in saved], scratch, random)
         out_tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         if node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            saved, scratch = _fused_attention(args, kwargs, fresh, outputs)
+            saved, scratch = fused_attention(args, kwargs, fresh, outputs)
         layer = Layer(index=index, name=name, kind=kind, node=node, inputs=tuple(input_values),
                       outputs=outputs, saved=saved, mutates=mutates, random=random,
                       module=module, forward_scratch=scratch[0], backward_scratch=scratch[1],
@@ -449,7 +344,7 @@ class _Analyzer:
 
     def _call(self, node, module, args, kwargs):
         if node.op == "call_function":            # exported graphs name the example's device
-            with _DevicesOnMeta():
+            with DevicesOnMeta():
                 return self._call_unmoved(node, module, args, kwargs)
         return self._call_unmoved(node, module, args, kwargs)
 
@@ -478,13 +373,13 @@ class _Analyzer:
     def _record_outputs(self, result, fresh: dict, index: int):
         # storages by identity: an output on an input's storage is that input written in place,
         # a view of it or an alias (detach() has no _base)
-        by_storage = {_storage_key(t): self.values[v].storage for v, t in fresh.items()}
+        by_storage = {storage_key(t): self.values[v].storage for v, t in fresh.items()}
         outputs, output_ids = [], {}
 
         def record(tensor):
             if not isinstance(tensor, torch.Tensor):
                 return tensor
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key in by_storage:
                 storage = by_storage[key]
             elif key in self.state_storage:        # a view of model state: resident, no bytes

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..capture import capture
-from ..capture.trace import Arguments, flat_inputs
+from ..capture.entry import Arguments, flat_inputs
 from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..units import format_bytes, parse_bytes

@@ -1,0 +1,81 @@
+"""Capture's entry: the model's call (its arguments, as a user gives them) and which tracer
+captures it (trace.py Rule 1), then the analysis of every layer on the meta device."""
+
+import torch
+from torch import nn
+
+from .export import export_graph, hooks_of
+from .graph import LayerGraph
+from .trace import Analyzer, meta_like, trace
+
+__all__ = ["Arguments", "capture", "example_args", "flat_inputs"]
+
+
+class Arguments(tuple):
+    """The model's positional arguments as they are (integers included, never a shape)."""
+
+
+def example_args(example_input) -> tuple:
+    """The model's positional arguments from what a user passes as an example: a tensor, a shape
+    tuple (a meta tensor of that shape) or a tuple of the model's arguments."""
+    if isinstance(example_input, Arguments):
+        return tuple(example_input)
+    if isinstance(example_input, torch.Tensor):
+        return (example_input,)
+    if isinstance(example_input, (tuple, list)) and example_input and \
+            all(isinstance(d, int) and not isinstance(d, bool) for d in example_input):
+        if not all(d > 0 for d in example_input):
+            raise ValueError(f"an input shape must be positive integers, got {tuple(example_input)}")
+        return (torch.empty(tuple(example_input), device="meta"),)
+    if isinstance(example_input, (tuple, list)):
+        return tuple(example_input)
+    raise ValueError("example_input must be a tensor (any device, meta included), a shape tuple "
+                     "such as (32, 3, 224, 224), or a tuple of the model's positional arguments, "
+                     f"not {type(example_input).__name__}")
+
+
+def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Rule 1: fx replays a forward exactly only where the project knows that forward: one
+    tensor in, modules with children from the zoo or torch.nn's containers, no hooks."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
+        return False
+    return all(not module._modules or type(module) in _CONTAINERS
+               or type(module).__module__.startswith("superneurons.models")
+               for module in model.modules())
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
+            tracer: str = "auto") -> LayerGraph:
+    """The layer graph of ``model`` called like ``model(*example_args(example_input),
+    **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
+    under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace
+    (to compare the two)."""
+    args, kwargs = example_args(example_input), dict(kwargs or {})
+    if tracer not in ("auto", "export"):
+        raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
+    if tracer == "auto" and _fx_is_exact(model, args, kwargs):
+        gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
+    else:
+        exported = export_graph(model, args, kwargs)
+        gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
+        flat = flat_inputs(in_spec, args, kwargs)
+    meta = [meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
+    graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    graph.in_spec, graph.out_spec = in_spec, out_spec
+    graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return graph
+
+
+def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:
+    """The graph's inputs from a call's (args, kwargs), flattened as export's spec orders them;
+    a ValueError where the call's structure differs (another argument, a missing keyword)."""
+    from torch.fx._pytree import tree_flatten_spec
+    try:
+        return list(tree_flatten_spec((tuple(args), dict(kwargs)), in_spec))
+    except Exception as error:  # noqa: BLE001 -- pytree raises several kinds
+        raise ValueError(f"the call's arguments do not match the captured signature: {error}") \
+            from error
