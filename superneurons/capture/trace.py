@@ -1,11 +1,11 @@
 """Capture: any nn.Module as a graph of layers, then each layer run on the meta device.
 
 Rule 1 (entry.py applies it): a model whose forward code the project wrote (the zoo, torch.nn
-        containers) is traced by
-        torch.fx down to its leaf modules, which run as layers; functions and tensor methods
-        between leaves (add, cat, flatten) are layers too. Any other model is captured by
-        torch.export (export.py), whose ATen operations are the layers: fx drops grad-mode and
-        autocast regions and cannot follow control flow, export keeps them.
+        containers) is traced by torch.fx down to its leaf modules, which run as layers;
+        functions and tensor methods between leaves (add, cat, flatten) are layers too. Any
+        other model is captured by torch.export (export.py), whose ATen operations are the
+        layers: fx drops grad-mode and autocast regions and cannot follow control flow, export
+        keeps them.
 Rule 2: nothing real is allocated: every layer runs on meta tensors, so shapes, saved tensors
         and bytes come for free, on any machine, for networks of thousands of layers.
 Rule 3: each layer is run in isolation on fresh inputs, so that what autograd saves, what aliases
