@@ -173,17 +173,24 @@ def main(argv=None):
                       f"(plain {outcome.plain_s:.1f}s, plan {outcome.plan_s:.1f}s, "
                       f"wrapped {outcome.wrapped_s:.1f}s)", flush=True)
         rows.append((name, case.group, outcomes))
+        _write(out, args, records, start, complete=False)     # a stopped run keeps its cases
 
     table(rows, args.policies)
+    counts = _write(out, args, records, start, complete=True)
+    print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+          f"in {time.perf_counter() - start:.0f} s")
+    return 0 if not counts.get("FAILED") else 1
+
+
+def _write(out: str, args, records: list, start: float, complete: bool) -> dict:
     counts = {}
     for record in records:
         counts[record["status"]] = counts.get(record["status"], 0) + 1
-    print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
-          f"in {time.perf_counter() - start:.0f} s")
     write(out, {**versions(), "threads": torch.get_num_threads(), "steps": args.steps,
-                     "policies": args.policies, "summary": counts,
-                     "seconds": round(time.perf_counter() - start, 1), "results": records})
-    return 0 if not counts.get("FAILED") else 1
+                "policies": args.policies, "summary": counts, "complete": complete,
+                "seconds": round(time.perf_counter() - start, 1), "results": records},
+          quiet=True)
+    return counts
 
 
 if __name__ == "__main__":
