@@ -74,14 +74,14 @@ def allocator_counts(inputs: list) -> bool:
     return nbytes == 0 or allocated_bytes(inputs[0].device) >= nbytes
 
 
-def foreign_bytes(graph, inputs: list, parameters=None) -> int:
+def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None) -> int:
     """Device memory the plan does not know of: optimizer state, the user's other tensors.
     ``inputs``: the step's input tensors (the plan counts them)."""
     parameters = graph.graph_module.parameters() if parameters is None else parameters
     grads = sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
     known = graph.param_bytes + graph.buffer_bytes + grads + \
         sum(x.numel() * x.element_size() for x in inputs)
-    return max(0, allocated_bytes(inputs[0].device) - known)
+    return max(0, allocated_bytes(device) - known)
 
 
 class _RangeMax:
@@ -221,6 +221,7 @@ class Executor:
         """One forward from the graph's flat inputs (placeholders in order); the output as the
         model returns it."""
         self.step_id += 1
+        self._read_state()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.records, self.pending = {}, []
         self.backward_step = None      # step numbers repeat every training step
@@ -228,13 +229,12 @@ class Executor:
         if self.device.type == "cuda" and self.reads_allocator is None:
             self.reads_allocator = allocator_counts(tensors)
         if self.device.type == "cuda" and self.reads_allocator:
-            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.parameters)
+            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters)
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
             self.calibration_left = max(0, self.calibration_left - 1)
         env = dict(zip(self.placeholders, args))
-        self._read_state()
         for node in self.attrs:
             env[node] = self._state(node)
         with saved_tensors_hooks(self._pack, self._unpack):

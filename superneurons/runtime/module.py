@@ -71,7 +71,7 @@ class SuperNeuronsModule(nn.Module):
         graph = capture(self.model, Arguments(args), autocast, kwargs)
         budget = self.budget_bytes
         if budget is not None and device.type == "cuda":
-            budget = budget_left(budget, foreign_bytes(graph, tensors), device)
+            budget = budget_left(budget, foreign_bytes(graph, tensors, device), device)
         if budget is not None and self.policy in _MANAGED:
             try:
                 return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
