@@ -282,9 +282,9 @@ def build_hf_vit():
 # ----------------------------------------------------------------------------------- nanoGPT
 # the decoder itself is in nanogpt.py, as karpathy/nanoGPT writes it
 
-def build_nanogpt():
+def _nanogpt(bias: bool):
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
-                       dropout=0.1, bias=True)
+                       dropout=0.1, bias=bias)
     model = GPT(config)
     g = _generator()
     data = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
@@ -293,15 +293,13 @@ def build_nanogpt():
     return model.train(), (x, y), {}, lambda out: out[1]
 
 
+def build_nanogpt():
+    return _nanogpt(bias=True)
+
+
 def build_nanogpt_nobias():
     """nanoGPT with bias=False (its LayerNorm without a bias, Linears without biases)."""
-    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32,
-                       dropout=0.1, bias=False)
-    model = GPT(config)
-    g = _generator()
-    data = torch.randint(0, config.vocab_size, (BATCH, config.block_size + 1), generator=g)
-    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    return model.train(), (x, y), {}, lambda out: out[1]
+    return _nanogpt(bias=False)
 
 
 # ------------------------------------------------------------------------- torch.nn attention
