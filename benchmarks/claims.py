@@ -1,0 +1,117 @@
+"""The README's largest batches and depths as training runs: each claim is 3 full SGD steps
+with momentum (optimizer state allocated from the second step) in a fresh process, under the
+12 GiB cap with superneurons' 11.5 GiB budget; per step: seconds, peak allocated and reserved,
+bytes moved, and whether the peak held the budget.
+
+    python benchmarks/claims.py OUT_DIR [--parallel N] [--only NAME ...] [--rounds R]
+
+Writes OUT_DIR/claims.json. With --parallel the claims run N processes at a time on the one
+GPU, each capped at 12 GiB: whether a claim holds is unchanged, its seconds are not a speed
+record (BENCHMARKS.md's speed part is).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+# (name, network, batch, resnet stage-3 blocks or None): the README's "Where it stands"
+CLAIMS = [("resnet50_924", "resnet50", 924, None), ("resnet101_896", "resnet101", 896, None),
+          ("resnet152_869", "resnet152", 869, None), ("densenet201_826", "densenet201", 826, None),
+          ("inception_v4_475", "inception_v4", 475, None), ("vgg16_282", "vgg16", 282, None),
+          ("alexnet_2205", "alexnet", 2205, None), ("resnet_depth_2804", "resnet", 16, 924)]
+STEPS = 3
+CAP_GIB, BUDGET_GIB = 12.0, 11.5
+
+
+def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
+    """One claim in this process: the step's timings and memory, or where it failed."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import superneurons as sn
+    from superneurons import models
+    from common import cap_memory, make, sgd, sgd_step
+
+    cap_memory(CAP_GIB)
+    began = time.perf_counter()
+    if n3 is None:
+        model, x, y = make(network, batch, "cuda")
+    else:
+        model = models.resnet(blocks=(3, 4, n3, 3)).cuda()
+        x = torch.randn(batch, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (batch,), device="cuda")
+    row = {"build_s": time.perf_counter() - began}
+    wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
+    optimizer = sgd(model)
+    row["steps"] = []
+    try:
+        began = time.perf_counter()
+        plan, _ = wrapped.plan_for(x)          # capture and planning, split from the first step
+        row["plan_s"] = time.perf_counter() - began
+        row["predicted_peak_bytes"] = plan.peak_bytes
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            began = time.perf_counter()
+            sgd_step(wrapped, optimizer, x, y)
+            torch.cuda.synchronize()
+            stats = wrapped.stats
+            peak = torch.cuda.max_memory_allocated()
+            row["steps"].append({
+                "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
+                "budget_held": peak <= BUDGET_GIB * 2**30})
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
+    row["holds"] = "error" not in row and all(s["budget_held"] for s in row["steps"])
+    return row
+
+
+def run_in_child(claim, round_index: int) -> dict:
+    name, network, batch, n3 = claim
+    command = [sys.executable, __file__, "--child", network, str(batch), str(n3)]
+    began = time.time()
+    done = subprocess.run(command, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    row = json.loads(lines[-1]) if lines else {
+        "holds": False, "error": f"process ended with {done.returncode}: "
+                                 f"{done.stderr.strip().splitlines()[-1:] or ''}"}
+    row.update(claim=name, network=network, batch=batch, n3=n3, round=round_index,
+               process_s=time.time() - began)
+    print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+    return row
+
+
+def main():
+    if sys.argv[1] == "--child":
+        network, batch, n3 = sys.argv[2], int(sys.argv[3]), sys.argv[4]
+        print(json.dumps(one(network, batch, None if n3 == "None" else int(n3))), flush=True)
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import write
+    claims = [c for c in CLAIMS if args.only is None or c[0] in args.only]
+    jobs = [(claim, r) for r in range(args.rounds) for claim in claims]
+    rows = []
+    path = os.path.join(args.out, "claims.json")
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for row in pool.map(lambda job: run_in_child(*job), jobs):
+            rows.append(row)
+            write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": STEPS,
+                         "parallel": args.parallel, "results": rows}, quiet=True)
+    write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": STEPS,
+                 "parallel": args.parallel, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
