@@ -69,6 +69,8 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
                 "budget_held": peak <= BUDGET_GIB * 2**30})
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
         row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
+    import resource                        # pinned host memory counts in the process's RSS
+    row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # trains: every step ran within the cap; budget_held: and every peak within the budget
     row["trains"] = "error" not in row and len(row["steps"]) == steps
     row["budget_held"] = row["trains"] and all(s["budget_held"] for s in row["steps"])
