@@ -141,6 +141,7 @@ class Executor:
         self.step_id = 0
         self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}
+        self.every_record = weakref.WeakSet()  # of every step whose handles may live (in_flight)
         self.pending: list = []
         self.recomputed_layers = 0
         self.accounted_peak = 0
@@ -391,7 +392,9 @@ class Executor:
         rng = capture_rng(self.device) if random else None
         state = {node: self._state(node).detach().clone()
                  for node in self.segment_state[segment.index] if node in self.mutable_state}
-        return SegmentRecord(self, segment, inputs, rng, self.autocast, state)
+        record = SegmentRecord(self, segment, inputs, rng, self.autocast, state)
+        self.every_record.add(record)
+        return record
 
     def _state(self, node: fx.Node):
         """A get_attr node's object: the model's own tensor by its name, else the graph's
@@ -454,3 +457,22 @@ class Executor:
     def release(self) -> None:
         self.records, self.pending = {}, []
         self.pool.clear()
+
+    # -- lifetime (module Rule 5) ----------------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """Whether handles of a step are alive (autograd's graph, an output the caller keeps):
+        they read the pool's entries and the segments' records. Gradient accumulation keeps
+        several steps' handles, so every record counts, not only the last step's."""
+        return bool(self.pool.entries) or any(record.alive for record in self.every_record)
+
+    def close(self) -> None:
+        """Give back all the executor holds between steps: the pool's entries, its host memory
+        (pinned chunks), its copies' events. Refused while a step is in flight (its handles
+        read them): the module closes such an executor once they are gone."""
+        if self.in_flight:
+            raise RuntimeError("a superneurons executor was closed with a step in flight; "
+                               "please report this")
+        self.release()
+        self.every_record = weakref.WeakSet()
+        self.pool.close()

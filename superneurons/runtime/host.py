@@ -15,6 +15,12 @@ Rule 3: where the system will not pin a chunk, a smaller one is tried, down to t
         benchmarks/results/diagnose_inception_v4_1_before.json).
 Rule 4: a region whose host-to-device copy may still be running is reused only once that copy
         has finished.
+Rule 5: a closed store gives its chunks back: at once those no region is carved from, with their
+        pinned pages returned to the system (PyTorch's pinned allocator would keep them cached,
+        page-locked, for the life of the process); the others when their last region returns (a
+        handle of a step in flight still reads it), to PyTorch's pinned allocator. A store is
+        closed when its plan is dropped (module.py Rule 5), rarely: a new plan captures again,
+        which costs more than pinning again.
 """
 
 import torch
@@ -27,12 +33,17 @@ MAX_CHUNK_BYTES = 8 << 30
 
 
 class _Chunk:
-    __slots__ = ("buffer", "free", "deferred")
+    __slots__ = ("buffer", "pinned", "free", "deferred")
 
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
+    def __init__(self, buffer: torch.Tensor, pinned: bool):
+        self.buffer, self.pinned = buffer, pinned
         self.free = [(0, buffer.numel())]    # (offset, size), sorted by offset
         self.deferred = []                   # (offset, size, event): free once event completes
+
+    @property
+    def unused(self) -> bool:
+        """No region is carved from it (nor waits for a copy)."""
+        return not self.deferred and self.free == [(0, self.buffer.numel())]
 
     def carve(self, size: int, num_bytes: int) -> torch.Tensor | None:
         for index, (offset, free_size) in enumerate(self.free):
@@ -69,13 +80,22 @@ class HostMemory:
         self.pin = pin
         self.first_chunk_bytes = first_chunk_bytes
         self.chunks: dict = {}               # data_ptr of a chunk's storage -> _Chunk
+        self.closed = False
 
     @property
     def capacity(self) -> int:
+        """Host bytes the store holds, pinned or not."""
         return sum(chunk.buffer.numel() for chunk in self.chunks.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(chunk.buffer.numel() for chunk in self.chunks.values() if chunk.pinned)
 
     def alloc(self, num_bytes: int) -> torch.Tensor:
         """A region of ``num_bytes``, from a new chunk if no chunk has room (Rule 1)."""
+        if self.closed:
+            raise RuntimeError("host memory of a closed superneurons executor was asked for a "
+                               "region; please report this")
         size = _aligned(num_bytes)
         for attempt in range(2):
             for chunk in self.chunks.values():
@@ -91,14 +111,31 @@ class HostMemory:
         chunk = self.chunks[region.untyped_storage().data_ptr()]
         offset, size = region.storage_offset(), _aligned(region.numel())
         if event is not None and not event.query():
-            chunk.deferred.append((offset, size, event))
-        else:
-            chunk.insert(offset, size)
+            if self.closed:             # Rule 5: the chunk goes as soon as its copy is done
+                event.synchronize()
+            else:
+                chunk.deferred.append((offset, size, event))
+                return
+        chunk.insert(offset, size)
+        if self.closed and chunk.unused:
+            # the caller still holds the region: the pages go back to PyTorch's pinned
+            # allocator when it lets go, not to the system (Rule 5)
+            del self.chunks[region.untyped_storage().data_ptr()]
+
+    def close(self) -> None:
+        """Rule 5: give back every chunk no region is carved from; the rest as they empty."""
+        self.closed = True
+        # comprehensions, not loops: a loop variable would keep the last chunk's pages alive
+        [chunk.reclaim() for chunk in self.chunks.values()]
+        unused = [key for key, chunk in self.chunks.items() if chunk.unused]
+        pinned = [self.chunks.pop(key).pinned for key in unused]
+        if any(pinned):
+            _return_pinned_pages()
 
     def _grow(self, size: int) -> _Chunk:
         want = max(min(max(self.capacity, self.first_chunk_bytes), MAX_CHUNK_BYTES), size)
         want = 1 << (want - 1).bit_length()                                  # Rule 2
-        buffer = None
+        buffer, pinned = None, self.pin
         while self.pin and want >= size:
             try:
                 buffer = torch.empty(want, dtype=torch.uint8, pin_memory=True)
@@ -106,15 +143,23 @@ class HostMemory:
             except RuntimeError:                                             # Rule 3
                 want //= 2
         if buffer is None:
-            self.pin = False
+            self.pin = pinned = False
             buffer = _pageable(max(want, size), size, self.capacity)
-        chunk = _Chunk(buffer)
+        chunk = _Chunk(buffer, pinned)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         return chunk
 
 
 def _aligned(num_bytes: int) -> int:
     return -(-num_bytes // _ALIGN) * _ALIGN
+
+
+def _return_pinned_pages() -> None:
+    """Rule 5: PyTorch's pinned allocator frees its cached blocks that no tensor uses (a block a
+    copy still reads is not free yet); a torch without this call keeps them cached."""
+    empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty_host_cache is not None:
+        empty_host_cache()
 
 
 def _pageable(want: int, size: int, held: int) -> torch.Tensor:

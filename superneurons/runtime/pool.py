@@ -211,3 +211,16 @@ class TensorPool:
     def clear(self) -> None:
         for entry in list(self.entries.values()):
             self.release(entry)
+
+    def close(self) -> None:
+        """Give back all the pool holds between steps: its entries, the device bytes of offloads
+        in flight (once their copies finish), its host memory (host Rule 5). For a pool whose
+        entries no handle reads any more (the executor checks). The copy streams are not
+        destroyed: PyTorch takes them from its fixed per-device pool and never frees them."""
+        self.clear()
+        while self.draining:
+            event, tensor, footprint = self.draining.popleft()
+            event.synchronize()
+            self._hold(-footprint, -tensor.numel())
+        self._waiting = None
+        self.host_memory.close()
