@@ -3,14 +3,28 @@
 Rule 1: the plan is made at the first forward for each input structure, tensor shape and
         dtype, value of every non-tensor argument (a captured graph specializes on them),
         every module's training mode, every parameter's requires_grad and the autocast state,
-        and reused (a step under bf16 autocast holds about half the bytes). Other Python state
-        the forward reads is fixed at capture: replan() after changing it.
+        and reused (a step under bf16 autocast holds about half the bytes) while among the
+        MAX_PLANS used last (Rule 5). Other Python state the forward reads is fixed at capture:
+        replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
-        no hook, no copy, no replay (plain PyTorch already frees tensors after last use).
+        no hook, no copy, no replay (plain PyTorch already frees tensors after last use). On
+        CUDA the decision counts the device memory the model does not own (optimizer state),
+        which grows after the first step (momentum, Adam's moments): every later step reads
+        it again, once (untouched_holds), and where the step would no longer fit, that call's
+        graph is planned again within what is left (the same holds for "auto" choosing liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work.
 Rule 4: no grad (evaluation) runs the model untouched.
+Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
+        gives back its executor's pool and host memory (pinned chunks) at once where no step of
+        it is in flight; else once that step's handles are gone (a loss not yet backpropagated
+        reads them, and gradient accumulation keeps several steps'). A step's graph keeps its
+        executor alive by itself (autograd holds the saved-tensor hooks, the executor's own
+        methods): a wrapper collected before backward leaves its step whole.
 """
+
+import weakref
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -25,6 +39,16 @@ from .executor import Executor, foreign_bytes
 from .stats import StepStats
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
+# policies whose untouched run is a decision that the step fits (Rule 2), not the policy itself
+_DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
+
+# Plans kept per wrapped model (Rule 5). A training loop meets a few calls again and again: its
+# batch, the epoch's last partial batch, and the same two in eval() mode where validation runs
+# with grad enabled (frozen BatchNorm, a loss on the validation set under autograd). Four keep
+# such a loop from capturing again every epoch (a capture takes seconds on a large model);
+# a model fed ever new shapes (variable sequence lengths) holds at most four executors, each with
+# its pinned host memory.
+MAX_PLANS = 4
 
 
 class SuperNeuronsModule(nn.Module):
@@ -34,11 +58,18 @@ class SuperNeuronsModule(nn.Module):
         self.policy = parse_policy(policy)
         self.strategy = parse_strategy(strategy)
         self.budget_bytes = parse_bytes(budget)
-        self._executors: dict = {}
-        self._last = None
+        self.max_plans = MAX_PLANS
+        self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
         self.register_state_dict_post_hook(_own_keys)
         self.register_load_state_dict_pre_hook(_wrapper_keys)
+
+    def _init_plans(self) -> None:
+        self._executors: OrderedDict = OrderedDict()   # call key -> (plan, executor or None)
+        self._retiring: list = []      # dropped executors with a step in flight (Rule 5)
+        self._last = None
+        # Rule 5 when the wrapper is collected; the callback holds the containers, not self
+        weakref.finalize(self, _drop_all, self._executors, self._retiring).atexit = False
 
     def plan_for(self, *args, **kwargs):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
@@ -50,16 +81,46 @@ class SuperNeuronsModule(nn.Module):
         # (BatchNorm frozen by eval(), progressive unfreezing)
         key = (key, tuple(m.training for m in self.model.modules()),
                tuple(p.requires_grad for p in self.model.parameters()), autocast)
-        if key not in self._executors:
-            self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
-        return self._executors[key]
+        if self._retiring:
+            self._close_idle()
+        planned = self._executors.get(key)
+        if planned is None:
+            planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
+            while len(self._executors) > self.max_plans:                          # Rule 5
+                self._drop(self._executors.popitem(last=False)[1][1])
+            return planned
+        self._executors.move_to_end(key)
+        plan, executor = planned
+        if executor is None and self.budget_bytes is not None and \
+                self.policy in _DECIDES_UNTOUCHED and reads_device_memory(device):   # Rule 2
+            foreign = foreign_bytes(plan.graph, tensors, device, self.model.parameters())
+            if not untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
+                planned = self._executors[key] = self._plan(plan.graph, device, foreign)
+        return planned
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
         the Python attributes the forward reads (a dropout's p, a flag in a config); call this
         after changing one."""
-        self._executors.clear()
+        while self._executors:
+            self._drop(self._executors.popitem(last=False)[1][1])
         self._last = None
+
+    def _drop(self, executor) -> None:
+        """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
+        if executor is None:
+            return
+        if executor.in_flight:
+            self._retiring.append(executor)
+        else:
+            executor.close()
+
+    def _close_idle(self) -> None:
+        still = [executor for executor in self._retiring if executor.in_flight]
+        for executor in self._retiring:
+            if not executor.in_flight:
+                executor.close()
+        self._retiring[:] = still          # the same list: the finalizer holds it
 
     def _device(self, tensors: list) -> torch.device:
         """Where the step runs: where the model lives (an input may be a host-side scalar)."""
@@ -69,9 +130,17 @@ class SuperNeuronsModule(nn.Module):
 
     def _make(self, args, kwargs, tensors: list, device, autocast):
         graph = capture(self.model, Arguments(args), autocast, kwargs)
+        foreign = None
+        if self.budget_bytes is not None and reads_device_memory(device):
+            foreign = foreign_bytes(graph, tensors, device, self.model.parameters())
+        return self._plan(graph, device, foreign)
+
+    def _plan(self, graph, device, foreign: int | None):
+        """(plan, executor or None) for a captured graph, within the budget less ``foreign``
+        bytes on the device that the model does not own (None: not counted)."""
         budget = self.budget_bytes
-        if budget is not None and device.type == "cuda":
-            budget = budget_left(budget, foreign_bytes(graph, tensors, device), device)
+        if budget is not None and foreign is not None:
+            budget = budget_left(budget, foreign, device)
         if budget is not None and self.policy in _MANAGED:
             try:
                 return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
@@ -117,8 +186,12 @@ class SuperNeuronsModule(nn.Module):
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
-        state["_executors"], state["_last"] = {}, None
+        state["_executors"], state["_retiring"], state["_last"] = {}, [], None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._init_plans()            # a copy's own plans, and its own finalizer (Rule 5)
 
     @property
     def stats(self) -> StepStats | None:
@@ -135,6 +208,30 @@ class SuperNeuronsModule(nn.Module):
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda)
+
+
+def reads_device_memory(device: torch.device) -> bool:
+    """Whether the device's allocator says what is allocated, so that memory the model does not
+    own can be counted against the budget: CUDA's."""
+    return device.type == "cuda"
+
+
+def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bool:
+    """Rule 2 at every step: the untouched (liveness) plan still fits the budget beside the
+    ``foreign`` bytes the model does not own now (optimizer state made since the decision)."""
+    return plan_peak_bytes + foreign <= budget_bytes
+
+
+def _drop_all(plans: OrderedDict, retiring: list) -> None:
+    """Rule 5 for a wrapper Python collects. An executor with a step in flight is left to that
+    step: autograd keeps its saved-tensor hooks, the executor's own methods, so the executor
+    lives as long as the step's graph, and Python frees it with the graph (its host memory then
+    goes back to PyTorch's pinned allocator, host Rule 5)."""
+    for executor in [executor for _, executor in plans.values()] + retiring:
+        if executor is not None and not executor.in_flight:
+            executor.close()
+    plans.clear()
+    retiring.clear()
 
 
 def budget_left(budget: int, others: int, device) -> int:
