@@ -35,6 +35,9 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--image", type=int, help="image size in pixels (default: the usual)")
     parser.add_argument("--depth", type=int, help="depth for 'resnet' and 'densenet'")
     parser.add_argument("--growth", type=int, help="growth rate for DenseNet")
+    parser.add_argument("--efficient", action="store_true",
+                        help="DenseNet's memory-efficient implementation (shared storage); "
+                             "under a policy it is planned, and managed, as the plain one")
 
 
 def budget(text: str) -> int:
@@ -48,7 +51,8 @@ def budget(text: str) -> int:
 def build_meta(args):
     """The zoo network on the meta device: planning allocates nothing."""
     with torch.device("meta"):
-        model = models.build(args.model, depth=args.depth, growth=args.growth)
+        model = models.build(args.model, depth=args.depth, growth=args.growth,
+                             efficient=args.efficient)
     return model, models.input_shape(args.model, args.batch, args.image)
 
 

@@ -73,7 +73,7 @@ def run(args) -> None:
     torch.manual_seed(0)                       # the same initial weights on every rank
     classes = 10 if args.model == "densenet_cifar" else 1000
     model = models.build(args.model, depth=args.depth, growth=args.growth,
-                         num_classes=classes).to(device)
+                         num_classes=classes, efficient=args.efficient).to(device)
     torch.manual_seed(1 + rank)                # each rank its own data
     shape = models.input_shape(args.model, args.batch, args.image)
     x = torch.randn(shape, device=device)

@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from .efficient_densenet import BlockStorage, shared_bottleneck
 from .layers import FlattenLinear
 
 _IMAGENET = {121: (6, 12, 24, 16), 169: (6, 12, 32, 32), 201: (6, 12, 48, 32), 264: (6, 12, 64, 48)}
@@ -11,29 +12,45 @@ class DenseLayer(nn.Module):
 
     def __init__(self, in_channels: int, growth_rate: int, bottleneck: int = 4):
         super().__init__()
+        self.first_in_block = False           # set by the block: shared storage's last reader
         width = bottleneck * growth_rate
         self.norm1, self.relu1 = nn.BatchNorm2d(in_channels), nn.ReLU()
         self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
         self.norm2, self.relu2 = nn.BatchNorm2d(width), nn.ReLU()
         self.conv2 = nn.Conv2d(width, growth_rate, 3, padding=1, bias=False)
 
-    def forward(self, features: list):
+    def forward(self, features: list, storage: BlockStorage | None = None):
         # The concatenation is the memory-hungry part the memory-efficient DenseNet recomputes.
-        x = torch.cat(features, 1)
-        x = self.conv1(self.relu1(self.norm1(x)))
+        if storage is not None:
+            x = shared_bottleneck(self, storage, features)
+        else:
+            x = self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
         return self.conv2(self.relu2(self.norm2(x)))
 
 
 class DenseBlock(nn.Module):
-    def __init__(self, num_layers: int, in_channels: int, growth_rate: int):
+    """Dense layers on the growing list of features; ``efficient``: through two shared storages
+    (efficient_densenet.py)."""
+
+    def __init__(self, num_layers: int, in_channels: int, growth_rate: int,
+                 efficient: bool = False):
         super().__init__()
+        self.efficient = efficient
+        self.max_channels = in_channels + (num_layers - 1) * growth_rate
         self.layers = nn.ModuleList(
             DenseLayer(in_channels + i * growth_rate, growth_rate) for i in range(num_layers))
+        self.layers[0].first_in_block = True
 
     def forward(self, x):
         features = [x]
+        if not self.efficient:
+            for layer in self.layers:
+                features.append(layer(features))
+            return torch.cat(features, 1)
+        storage = BlockStorage(self.max_channels)   # this forward's, and its backward's
         for layer in self.layers:
-            features.append(layer(features))
+            features.append(layer(features, storage))
+        storage.release()                     # backward allocates them again, when it comes
         return torch.cat(features, 1)
 
 
@@ -44,11 +61,11 @@ def _transition(in_channels: int, out_channels: int) -> nn.Sequential:
 
 class DenseNet(nn.Module):
     def __init__(self, blocks: tuple, growth_rate: int, stem: nn.Module, channels: int,
-                 num_classes: int):
+                 num_classes: int, efficient: bool = False):
         super().__init__()
         stages = []
         for index, num_layers in enumerate(blocks):
-            stages.append(DenseBlock(num_layers, channels, growth_rate))
+            stages.append(DenseBlock(num_layers, channels, growth_rate, efficient))
             channels += num_layers * growth_rate
             if index < len(blocks) - 1:
                 stages.append(_transition(channels, channels // 2))
@@ -82,16 +99,19 @@ def densenet_blocks(depth: int, cifar: bool) -> tuple:
 
 
 def densenet(depth: int = 121, growth_rate: int | None = None, *, cifar: bool = False,
-             num_classes: int | None = None) -> DenseNet:
-    """DenseNet-BC: ImageNet (224 px, k=32 by default) or the 3-block CIFAR variant (32 px, k=12)."""
+             num_classes: int | None = None, efficient: bool = False) -> DenseNet:
+    """DenseNet-BC: ImageNet (224 px, k=32 by default) or the 3-block CIFAR variant (32 px, k=12).
+    ``efficient``: the memory-efficient implementation (shared storage for every dense layer's
+    concatenation and normalization, recomputed in backward; efficient_densenet.py), with the
+    same parameters, buffers and results."""
     blocks = densenet_blocks(depth, cifar)
     if cifar:
         growth_rate = growth_rate or 12
         channels = 2 * growth_rate
         stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
-        return DenseNet(blocks, growth_rate, stem, channels, num_classes or 10)
+        return DenseNet(blocks, growth_rate, stem, channels, num_classes or 10, efficient)
     growth_rate = growth_rate or 32
     channels = 2 * growth_rate
     stem = nn.Sequential(nn.Conv2d(3, channels, 7, 2, 3, bias=False), nn.BatchNorm2d(channels),
                          nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
-    return DenseNet(blocks, growth_rate, stem, channels, num_classes or 1000)
+    return DenseNet(blocks, growth_rate, stem, channels, num_classes or 1000, efficient)

@@ -3,7 +3,7 @@
 from torch import nn
 
 from .alexnet import alexnet
-from .densenet import densenet
+from .densenet import DenseBlock, densenet
 from .inception import inception_v4
 from .resnet import resnet
 from .vgg import vgg16, vgg19
@@ -30,13 +30,21 @@ ZOO = {
 
 
 def build(name: str, *, depth: int | None = None, growth: int | None = None,
-          num_classes: int = 1000) -> nn.Module:
-    """Build a zoo network by its command-line name."""
+          num_classes: int = 1000, efficient: bool = False) -> nn.Module:
+    """Build a zoo network by its command-line name; ``efficient``: a DenseNet's shared-storage
+    implementation (models/efficient_densenet.py)."""
     if name not in ZOO:
         raise ValueError(f"unknown network {name!r}; choose one of: {', '.join(ZOO)}")
     if name == "densenet_cifar" and num_classes == 1000:
         num_classes = 10
-    return ZOO[name][0](depth, growth, num_classes)
+    model = ZOO[name][0](depth, growth, num_classes)
+    if efficient:
+        if not name.startswith("densenet"):
+            raise ValueError(f"efficient applies to the DenseNets (shared storage), not {name!r}")
+        for block in model.modules():
+            if isinstance(block, DenseBlock):
+                block.efficient = True
+    return model
 
 
 def input_shape(name: str, batch: int, image: int | None = None) -> tuple:

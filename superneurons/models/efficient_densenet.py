@@ -1,0 +1,167 @@
+"""The memory-efficient DenseNet (Pleiss et al. 2017, papers/003): shared storage for the
+concatenation and batch normalization that start every dense layer, recomputed in backward.
+
+A plain dense layer keeps its concatenation of all earlier features and that concatenation
+normalized and rectified until backward: two tensors per layer, each as wide as the layer's
+input, so memory grows with the square of the depth. Here each dense block owns two shared
+storages, sized once for its widest layer (the last):
+
+- forward: every layer concatenates into the first and normalizes into the second, which its
+  1x1 convolution reads; the next layer overwrites both. Nothing of them is saved for backward:
+  autograd keeps only the features themselves (which the block's output needs anyway), the
+  parameters and the bottleneck convolution's output, which has a fixed width;
+- backward: each layer concatenates its features into the first storage again and runs the
+  normalization, ReLU and convolution backward from there. These are PyTorch's own autograd
+  kernels on the same values, so the gradients are plain PyTorch's bit for bit; their
+  temporaries (the normalized input and the gradients, as wide as the concatenation) are freed
+  before the next layer's backward starts, so the caching allocator hands the next layer the
+  same blocks: the paper's shared gradient storage. Running statistics move once, in forward.
+
+The normalization writes into the shared storage where PyTorch's own kernel for it has an
+``out=`` form (its native kernel: the CPU, and CUDA where cuDNN is off or not chosen); cuDNN's
+kernel always allocates, and there its output is a temporary, freed before the next layer's.
+
+Under ``sn.wrap`` the layers are captured as plain ones (torch.fx traces the plain forward):
+the planner's recomputation segments then do what the shared storages do, and its plan counts
+every one of those bytes, which storages hidden inside a layer would keep from it.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import _symbolic_trace
+
+
+class SharedStorage:
+    """One flat tensor that every layer of a dense block writes in turn; allocated at the first
+    use (the device and dtype are known then) for the block's widest layer, so it never grows."""
+
+    def __init__(self, max_channels: int):
+        self.max_channels = max_channels
+        self.flat = None
+
+    def view(self, like: torch.Tensor, channels: int) -> torch.Tensor:
+        n, _, *spatial = like.shape
+        shape = (n, channels, *spatial)
+        needed = n * self.max_channels * math.prod(spatial)
+        flat = self.flat
+        if flat is None or flat.numel() < needed or flat.device != like.device or \
+                flat.dtype != like.dtype:
+            flat = self.flat = torch.empty(needed, dtype=like.dtype, device=like.device)
+        return flat[:math.prod(shape)].view(shape)
+
+    def release(self) -> None:
+        self.flat = None
+
+
+class BlockStorage:
+    """A dense block's two shared storages for one forward and its backward."""
+
+    def __init__(self, max_channels: int):
+        self.concat = SharedStorage(max_channels)
+        self.normed = SharedStorage(max_channels)
+
+    def release(self) -> None:
+        self.concat.release()
+        self.normed.release()
+
+
+def _norm_writes_in_place(x: torch.Tensor, norm: nn.BatchNorm2d) -> bool:
+    """Whether plain PyTorch's batch norm on ``x`` runs the native kernel, which has an out=
+    form (cuDNN's is chosen on CUDA for float and half inputs while cuDNN is enabled)."""
+    if x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda":
+        return False
+    return not (torch.backends.cudnn.enabled and x.dtype != torch.bfloat16
+                and norm.weight.dtype != torch.bfloat16)
+
+
+def _update_factor(norm: nn.BatchNorm2d) -> float:
+    """nn.BatchNorm2d's forward before its kernel: count the batch, give the update's factor."""
+    factor = 0.0 if norm.momentum is None else norm.momentum
+    if norm.training and norm.track_running_stats and norm.num_batches_tracked is not None:
+        norm.num_batches_tracked.add_(1)
+        factor = 1.0 / float(norm.num_batches_tracked) if norm.momentum is None else norm.momentum
+    return factor
+
+
+class _SharedBottleneck(torch.autograd.Function):
+    """concat -> norm1 -> relu1 -> conv1 of one dense layer, through the block's storages."""
+
+    @staticmethod
+    def forward(ctx, layer, storage, count, *tensors):
+        features, (norm_weight, norm_bias, conv_weight) = tensors[:count], tensors[count:]
+        norm, conv = layer.norm1, layer.conv1
+        channels = sum(f.shape[1] for f in features)
+        concat = storage.concat.view(features[0], channels)
+        torch.cat(features, 1, out=concat)
+        factor = _update_factor(norm)
+        stats = (norm.running_mean, norm.running_var) if norm.track_running_stats else (None,
+                                                                                        None)
+        training = norm.training or stats[0] is None
+        if _norm_writes_in_place(concat, norm):
+            normed = storage.normed.view(concat, channels)
+            save = torch.empty(0, device=concat.device, dtype=concat.dtype)
+            torch.ops.aten.native_batch_norm.out(concat, norm_weight, norm_bias, *stats, training,
+                                                 factor, norm.eps, out=normed, save_mean=save,
+                                                 save_invstd=save.clone())
+        else:
+            normed = F.batch_norm(concat, *stats, norm_weight, norm_bias, training, factor,
+                                  norm.eps)
+        output = conv._conv_forward(normed.relu_(), conv_weight, conv.bias)
+        ctx.layer, ctx.storage, ctx.count, ctx.training = layer, storage, count, training
+        ctx.eval_stats = None if training else tuple(s.clone() for s in stats)
+        ctx.save_for_backward(*features, norm_weight, norm_bias, conv_weight)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = ctx.saved_tensors
+        features, parameters = saved[:ctx.count], saved[ctx.count:]
+        norm, conv = ctx.layer.norm1, ctx.layer.conv1
+        channels = sum(f.shape[1] for f in features)
+        concat = ctx.storage.concat.view(features[0], channels)
+        with torch.no_grad():
+            torch.cat(features, 1, out=concat)
+        needs = ctx.needs_input_grad[3:]
+        with torch.enable_grad():
+            leaf = concat.detach().requires_grad_()
+            weight, bias, conv_weight = (p.detach().requires_grad_(p.requires_grad)
+                                         for p in parameters)
+            stats = ctx.eval_stats or (None, None)
+            normed = F.batch_norm(leaf, *stats, weight, bias, ctx.training, 0.0, norm.eps)
+            output = conv._conv_forward(F.relu(normed), conv_weight, conv.bias)
+            inputs = ([leaf] if any(needs[:ctx.count]) else []) + [
+                t for t, needed in zip((weight, bias, conv_weight), needs[ctx.count:]) if needed]
+            grads = dict(zip(map(id, inputs), torch.autograd.grad(output, inputs, grad_output)))
+        result, offset = [], 0
+        for feature, needed in zip(features, needs):
+            width = feature.shape[1]     # plain cat's backward hands out views as well
+            result.append(grads[id(leaf)].narrow(1, offset, width) if needed else None)
+            offset += width
+        result += [grads.get(id(t)) for t in (weight, bias, conv_weight)]
+        if ctx.layer.first_in_block:
+            ctx.storage.release()        # the block's last backward: nothing reads them again
+        return (None, None, None, *result)
+
+
+def _capturing() -> bool:
+    """Whether torch.fx, torch.export or torch.compile is tracing the forward: they capture the
+    plain layer (an opaque function holding storages would hide its bytes from the plan)."""
+    symbolic = getattr(_symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing)
+    return symbolic() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def shared_bottleneck(layer, storage: BlockStorage, features: list) -> torch.Tensor:
+    """conv1(relu1(norm1(cat(features)))) of ``layer`` through ``storage`` (see the module's
+    docstring); the plain computation without grad, where nothing is kept anyway."""
+    if not torch.is_grad_enabled() or storage is None or _capturing():
+        return layer.conv1(layer.relu1(layer.norm1(torch.cat(features, 1))))
+    norm = layer.norm1
+    if not (norm.affine and type(layer.relu1) is nn.ReLU and not layer.relu1.inplace):
+        raise ValueError("the shared-storage dense layer needs an affine BatchNorm2d and a ReLU")
+    return _SharedBottleneck.apply(layer, storage, len(features), *features, norm.weight,
+                                   norm.bias, layer.conv1.weight)
