@@ -1,6 +1,7 @@
 """The memory-efficient DenseNet on CUDA: exactness, memory per depth, time against plain.
 
-    python benchmarks/efficient_densenet.py OUT_DIR [--depths 100 250 ...] [--seconds S]
+    python benchmarks/efficient_densenet.py OUT_DIR [--depths 100 250 ...] [--systems ...]
+        [--seconds S] [--no-exact] [--no-cudnn-benchmark] [--tag SUFFIX]
 
 DenseNet-BC (k=12, batch 64, 32 px, SGD with momentum) under a 12 GiB cap:
 - exact: plain against plain (the control), the shared-storage DenseNet alone and under
@@ -116,15 +117,22 @@ def main():
                         default=["plain", "efficient", "torchvision", "superneurons"])
     parser.add_argument("--seconds", type=float, default=480, help="stop starting work after")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--no-exact", dest="exact", action="store_false")
+    parser.add_argument("--no-cudnn-benchmark", dest="cudnn_benchmark", action="store_false",
+                        help="memory only: autotuning every new convolution shape of a deep "
+                             "DenseNet takes a minute in its first step")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
     deadline = time.time() + args.seconds
-    path = os.path.join(args.out, "efficient_densenet.json")
+    path = os.path.join(args.out, f"efficient_densenet{args.tag}.json")
     record = {"batch": BATCH, "image": IMAGE, "growth": GROWTH, "cap_gib": 12.0,
-              "exact": exactness()}
-    print(record["exact"], flush=True)
-    write(path, record)
+              "cudnn_benchmark": args.cudnn_benchmark}
+    if args.exact:
+        record["exact"] = exactness()
+        print(record["exact"], flush=True)
+        write(path, record)
     cap_memory(12.0)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     record["memory"] = {s: {} for s in args.systems}
     out_of_memory = set()
     for depth in args.depths:

@@ -65,6 +65,14 @@ def test_efficient_densenet_in_eval_mode_and_with_frozen_norms():
                  _train(efficient, [p for p in efficient.parameters() if p.requires_grad], x, y))
 
 
+def test_efficient_densenet_under_autocast_runs_the_plain_layer():
+    plain, efficient = _pair(22)
+    x, y = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same(plain, efficient, _train(plain, plain.parameters(), x, y, 2),
+                     _train(efficient, efficient.parameters(), x, y, 2))
+
+
 def test_efficient_densenet_under_wrap_is_exact():
     plain, efficient = _pair()
     x, y = _batch()

@@ -10,9 +10,10 @@ storages, sized once for its widest layer (the last):
   1x1 convolution reads; the next layer overwrites both. Nothing of them is saved for backward:
   autograd keeps only the features themselves (which the block's output needs anyway), the
   parameters and the bottleneck convolution's output, which has a fixed width;
-- backward: each layer concatenates its features into the first storage again and runs the
-  normalization, ReLU and convolution backward from there. These are PyTorch's own autograd
-  kernels on the same values, so the gradients are plain PyTorch's bit for bit; their
+- backward: each layer concatenates its features into the first storage again, runs the
+  normalization and ReLU again (not the 1x1 convolution: its backward needs only its input)
+  and the three backwards from there. These are PyTorch's own autograd kernels on the same
+  values, so the gradients are plain PyTorch's bit for bit; their
   temporaries (the normalized input and the gradients, as wide as the concatenation) are freed
   before the next layer's backward starts, so the caching allocator hands the next layer the
   same blocks: the paper's shared gradient storage. Running statistics move once, in forward.
@@ -20,6 +21,7 @@ storages, sized once for its widest layer (the last):
 The normalization writes into the shared storage where PyTorch's own kernel for it has an
 ``out=`` form (its native kernel: the CPU, and CUDA where cuDNN is off or not chosen); cuDNN's
 kernel always allocates, and there its output is a temporary, freed before the next layer's.
+Under autocast the plain layer runs: a recomputation would have to repeat autocast's casts.
 
 Under ``sn.wrap`` the layers are captured as plain ones (torch.fx traces the plain forward):
 the planner's recomputation segments then do what the shared storages do, and its plan counts
@@ -129,20 +131,26 @@ class _SharedBottleneck(torch.autograd.Function):
         needs = ctx.needs_input_grad[3:]
         with torch.enable_grad():
             leaf = concat.detach().requires_grad_()
-            weight, bias, conv_weight = (p.detach().requires_grad_(p.requires_grad)
-                                         for p in parameters)
+            weight, bias = (p.detach().requires_grad_(p.requires_grad) for p in parameters[:2])
             stats = ctx.eval_stats or (None, None)
             normed = F.batch_norm(leaf, *stats, weight, bias, ctx.training, 0.0, norm.eps)
-            output = conv._conv_forward(F.relu(normed), conv_weight, conv.bias)
-            inputs = ([leaf] if any(needs[:ctx.count]) else []) + [
-                t for t, needed in zip((weight, bias, conv_weight), needs[ctx.count:]) if needed]
-            grads = dict(zip(map(id, inputs), torch.autograd.grad(output, inputs, grad_output)))
+            rectified = F.relu(normed)
+        # the 1x1 convolution is not run again: its backward needs only its input, and
+        # convolution_backward is the kernel autograd calls for it
+        grad_rectified, grad_conv_weight, _ = torch.ops.aten.convolution_backward(
+            grad_output, rectified, parameters[2], None, conv.stride, conv.padding,
+            conv.dilation, False, [0] * len(conv.stride), conv.groups,
+            [True, needs[ctx.count + 2], False])
+        inputs = ([leaf] if any(needs[:ctx.count]) else []) + [
+            t for t, needed in zip((weight, bias), needs[ctx.count:]) if needed]
+        grads = dict(zip(map(id, inputs), torch.autograd.grad(rectified, inputs, grad_rectified)
+                         if inputs else ()))
         result, offset = [], 0
         for feature, needed in zip(features, needs):
             width = feature.shape[1]     # plain cat's backward hands out views as well
             result.append(grads[id(leaf)].narrow(1, offset, width) if needed else None)
             offset += width
-        result += [grads.get(id(t)) for t in (weight, bias, conv_weight)]
+        result += [grads.get(id(weight)), grads.get(id(bias)), grad_conv_weight]
         if ctx.layer.first_in_block:
             ctx.storage.release()        # the block's last backward: nothing reads them again
         return (None, None, None, *result)
@@ -157,11 +165,15 @@ def _capturing() -> bool:
 
 def shared_bottleneck(layer, storage: BlockStorage, features: list) -> torch.Tensor:
     """conv1(relu1(norm1(cat(features)))) of ``layer`` through ``storage`` (see the module's
-    docstring); the plain computation without grad, where nothing is kept anyway."""
-    if not torch.is_grad_enabled() or storage is None or _capturing():
+    docstring). The plain computation without grad, where nothing is kept anyway, and under
+    autocast, whose casts a recomputation in backward would have to repeat."""
+    if not torch.is_grad_enabled() or storage is None or _capturing() or \
+            torch.is_autocast_enabled(features[0].device.type):
         return layer.conv1(layer.relu1(layer.norm1(torch.cat(features, 1))))
     norm = layer.norm1
-    if not (norm.affine and type(layer.relu1) is nn.ReLU and not layer.relu1.inplace):
-        raise ValueError("the shared-storage dense layer needs an affine BatchNorm2d and a ReLU")
+    if not (norm.affine and type(layer.relu1) is nn.ReLU and not layer.relu1.inplace
+            and layer.conv1.bias is None):
+        raise ValueError("the shared-storage dense layer needs an affine BatchNorm2d, a ReLU and "
+                         "a convolution without bias")
     return _SharedBottleneck.apply(layer, storage, len(features), *features, norm.weight,
                                    norm.bias, layer.conv1.weight)
