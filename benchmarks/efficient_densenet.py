@@ -11,7 +11,9 @@ DenseNet-BC (k=12, batch 64, 32 px, SGD with momentum) under a 12 GiB cap:
   the depths above. Systems: plain; torchvision's DenseNet with memory_efficient=True
   (checkpointing of each layer's concat-BN-ReLU-conv1x1) and the CIFAR stem; efficient (this
   project's shared storage, unwrapped); superneurons (sn.wrap of the plain DenseNet, policy
-  recompute, no budget: its planner's recomputation at its floor).
+  recompute, no budget: its planner's recomputation at its floor); superneurons_equal (sn.wrap
+  of the plain DenseNet, policy superneurons, budget the peak the efficient system reached at
+  that depth: the two at equal memory).
 Writes OUT_DIR/efficient_densenet.json after every measurement.
 """
 
@@ -47,12 +49,18 @@ def torchvision_cifar(depth: int) -> nn.Module:
     return model
 
 
-def build(system: str, depth: int):
+def build(system: str, depth: int, efficient_peak: int | None = None):
     if system == "torchvision":
         model = torchvision_cifar(depth).cuda()
         return model, model, lambda out, y: F.cross_entropy(out, y)
     model = models.densenet(depth, GROWTH, cifar=True, efficient=system == "efficient").cuda()
-    runner = sn.wrap(model, policy="recompute") if system == "superneurons" else model
+    runner = model
+    if system == "superneurons":
+        runner = sn.wrap(model, policy="recompute")
+    elif system == "superneurons_equal":     # the budget the shared-storage DenseNet used
+        if efficient_peak is None:
+            raise ValueError("superneurons_equal needs the efficient system measured before it")
+        runner = sn.wrap(model, policy="superneurons", budget=efficient_peak)
     return model, runner, F.nll_loss
 
 
@@ -141,7 +149,9 @@ def main():
                 continue
             x, y = data()
             try:
-                model, runner, loss_fn = build(system, depth)
+                efficient = record["memory"].get("efficient", {}).get(depth, {})
+                model, runner, loss_fn = build(system, depth,
+                                               efficient.get("peak_allocated_bytes"))
                 rows = steps(model, runner, loss_fn, x, y, args.steps)
                 row = {"peak_allocated_bytes": rows[1]["peak_allocated_bytes"],
                        "step_seconds": statistics.median(r["seconds"] for r in rows[2:]),
