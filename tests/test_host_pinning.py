@@ -1,0 +1,31 @@
+"""The host store's pinning setting (host Rule 6): set once, the user's settings kept, none of
+ours where the user chose pinned options."""
+
+import pytest
+import torch
+
+from superneurons.runtime import host
+
+
+@pytest.fixture
+def settings(monkeypatch):
+    given = []
+    monkeypatch.setattr(host, "_pinning_set", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", given.append)
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 12)
+    return given
+
+
+def test_pinning_threads_are_set_once_keeping_the_users_settings(settings, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    host._pin_with_threads()
+    host._pin_with_threads()
+    assert settings == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
+                        "pinned_num_register_threads:8"]      # a power of two, within 12 cores
+
+
+def test_the_users_pinned_options_win(settings, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+    host._pin_with_threads()
+    assert settings == []
