@@ -91,10 +91,19 @@ def run(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if rank == 0 else \
+        (lambda text: None)
+    say(f"capturing and planning {args.model} at batch {args.batch}...")
+    began = time.perf_counter()
     with autocast:
-        stats_of.plan_for(x)                 # a budget too small fails here, before any step
+        planned, _ = stats_of.plan_for(x)    # a budget too small fails here, before any step
+    plan_seconds = time.perf_counter() - began
+    say(f"planned in {plan_seconds:.1f} s: {planned.policy}, predicted peak "
+        f"{format_bytes(planned.peak_bytes)}; the first steps take longer (host memory for "
+        "offloads and, on CUDA, real use measured against the plan)")
     bar = _progress(args.steps) if rank == 0 else None
     start = time.perf_counter()
+    first_step_seconds = None
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         with autocast:
@@ -108,6 +117,10 @@ def run(args) -> None:
                             img_s=f"{world * args.batch * (step + 1) / elapsed:.1f}",
                             peak=format_bytes(stats_of.stats.peak_bytes))
             bar.update()
+        if step == 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            first_step_seconds = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -131,6 +144,11 @@ def run(args) -> None:
                     ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
                     ["images per second (all processes)",
                      f"{world * args.batch * args.steps / elapsed:.1f}"],
+                    ["capture and planning", f"{plan_seconds:.1f} s"],
+                    ["first step / later steps",
+                     f"{first_step_seconds:.2f} s / " + (
+                         f"{(elapsed - first_step_seconds) / (args.steps - 1):.2f} s each"
+                         if args.steps > 1 else "none")],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
