@@ -28,7 +28,8 @@ def _model():
     return models.resnet(blocks=(1, 1, 1, 1), num_classes=10)
 
 
-def _rank(rank: int, init_file: str, out_file: str, policy: str):
+def _rank(rank: int, init_file: str, out_file: str, policy: str, threads: int):
+    torch.set_num_threads(threads)     # the reference's: CPU kernels sum in a thread-count order
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     model = _model()
     ddp = DistributedDataParallel(sn.wrap(model, policy=policy))
@@ -64,7 +65,8 @@ def _single_process_reference():
 def test_two_gloo_ranks_match_one_process_on_the_global_batch():
     with tempfile.TemporaryDirectory() as folder:
         init_file, out_file = os.path.join(folder, "init"), os.path.join(folder, "out.pt")
-        mp.spawn(_rank, args=(init_file, out_file, "superneurons"), nprocs=2, join=True)
+        mp.spawn(_rank, args=(init_file, out_file, "superneurons", torch.get_num_threads()),
+                 nprocs=2, join=True)
         result = torch.load(out_file)
     expected = _single_process_reference()
     assert result["recomputed"] > 0 and result["offloaded"] > 0
