@@ -73,6 +73,16 @@ def test_efficient_densenet_under_autocast_runs_the_plain_layer():
                      _train(efficient, efficient.parameters(), x, y, 2))
 
 
+def test_efficient_densenet_on_channels_last_runs_the_plain_layer():
+    plain, efficient = _pair(22)
+    x, y = _batch()
+    x = x.to(memory_format=torch.channels_last)
+    for model in (plain, efficient):
+        model.to(memory_format=torch.channels_last)
+    _assert_same(plain, efficient, _train(plain, plain.parameters(), x, y, 2),
+                 _train(efficient, efficient.parameters(), x, y, 2))
+
+
 def test_efficient_densenet_under_wrap_is_exact():
     plain, efficient = _pair()
     x, y = _batch()

@@ -21,7 +21,7 @@ storages, sized once for its widest layer (the last):
 The normalization writes into the shared storage where PyTorch's own kernel for it has an
 ``out=`` form (its native kernel: the CPU, and CUDA where cuDNN is off or not chosen); cuDNN's
 kernel always allocates, and there its output is a temporary, freed before the next layer's.
-Under autocast the plain layer runs: a recomputation would have to repeat autocast's casts.
+Under autocast and on channels_last features the plain layer runs (shared_bottleneck says why).
 
 Under ``sn.wrap`` the layers are captured as plain ones (torch.fx traces the plain forward):
 the planner's recomputation segments then do what the shared storages do, and its plan counts
@@ -165,10 +165,13 @@ def _capturing() -> bool:
 
 def shared_bottleneck(layer, storage: BlockStorage, features: list) -> torch.Tensor:
     """conv1(relu1(norm1(cat(features)))) of ``layer`` through ``storage`` (see the module's
-    docstring). The plain computation without grad, where nothing is kept anyway, and under
-    autocast, whose casts a recomputation in backward would have to repeat."""
+    docstring). The plain computation without grad, where nothing is kept anyway; under
+    autocast, whose casts a recomputation in backward would have to repeat; and on
+    channels_last features, whose concatenation is channels_last too (kernels chosen by layout
+    would differ from plain PyTorch's on the storages' contiguous views)."""
     if not torch.is_grad_enabled() or storage is None or _capturing() or \
-            torch.is_autocast_enabled(features[0].device.type):
+            torch.is_autocast_enabled(features[0].device.type) or \
+            not all(f.is_contiguous() for f in features):
         return layer.conv1(layer.relu1(layer.norm1(torch.cat(features, 1))))
     norm = layer.norm1
     if not (norm.affine and type(layer.relu1) is nn.ReLU and not layer.relu1.inplace
