@@ -121,6 +121,24 @@ def main():
                          "parallel": args.parallel, "results": rows}, quiet=True)
     write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": STEPS,
                  "parallel": args.parallel, "results": rows})
+    print_summary(rows)
+
+
+def print_summary(rows: list) -> None:
+    """What holds: a row per claim and round."""
+    from superneurons.cli.output import print_table
+    table = []
+    for row in rows:
+        steps = row.get("steps", [])
+        peak = max((s["peak_allocated_bytes"] for s in steps), default=0) / 2**30
+        table.append([row["claim"], row["round"], "yes" if row["trains"] else "NO",
+                      "yes" if row["budget_held"] else "no",
+                      f"{steps[0]['seconds']:.1f}" if steps else "",
+                      ", ".join(f"{s['seconds']:.1f}" for s in steps[1:]),
+                      f"{peak:.2f}" if steps else "", row.get("error", "")[:28]])
+    print_table(f"{STEPS} SGD steps in a {CAP_GIB:g} GiB cap, budget {BUDGET_GIB:g} GiB",
+                ["claim", "round", "trains", "budget held", "first s", "later s",
+                 "peak GiB", "error"], table)
 
 
 if __name__ == "__main__":
