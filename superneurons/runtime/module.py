@@ -10,8 +10,10 @@ Rule 2: when the budget holds the whole step with liveness alone, the model runs
         no hook, no copy, no replay (plain PyTorch already frees tensors after last use). On
         CUDA the decision counts the device memory the model does not own (optimizer state),
         which grows after the first step (momentum, Adam's moments): every later step reads
-        it again, once (untouched_holds), and where the step would no longer fit, that call's
-        graph is planned again within what is left (the same holds for "auto" choosing liveness).
+        it again, once (untouched_holds), and where the step would not fit, that call runs a
+        managed plan of the same graph within what is left, kept beside the untouched one:
+        the next step that fits runs untouched again (the same holds for "auto" choosing
+        liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work.
 Rule 4: no grad (evaluation) runs the model untouched.
@@ -66,10 +68,13 @@ class SuperNeuronsModule(nn.Module):
 
     def _init_plans(self) -> None:
         self._executors: OrderedDict = OrderedDict()   # call key -> (plan, executor or None)
+        # call key -> the managed (plan, executor) for steps its untouched plan no longer fits
+        self._fallbacks: dict = {}
         self._retiring: list = []      # dropped executors with a step in flight (Rule 5)
         self._last = None
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
-        weakref.finalize(self, _drop_all, self._executors, self._retiring).atexit = False
+        weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
+                         self._retiring).atexit = False
 
     def plan_for(self, *args, **kwargs):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
@@ -87,7 +92,7 @@ class SuperNeuronsModule(nn.Module):
         if planned is None:
             planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
             while len(self._executors) > self.max_plans:                          # Rule 5
-                self._drop(self._executors.popitem(last=False)[1][1])
+                self._drop_key(next(iter(self._executors)))
             return planned
         self._executors.move_to_end(key)
         plan, executor = planned
@@ -95,7 +100,11 @@ class SuperNeuronsModule(nn.Module):
                 self.policy in _DECIDES_UNTOUCHED and reads_device_memory(device):   # Rule 2
             foreign = foreign_bytes(plan.graph, tensors, device, self.model.parameters())
             if not untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
-                planned = self._executors[key] = self._plan(plan.graph, device, foreign)
+                # kept beside the untouched plan: memory others hold may be passing (a
+                # previous micro-batch's activations, another model's step)
+                if key not in self._fallbacks:
+                    self._fallbacks[key] = self._plan(plan.graph, device, foreign)
+                return self._fallbacks[key]
         return planned
 
     def replan(self) -> None:
@@ -103,8 +112,12 @@ class SuperNeuronsModule(nn.Module):
         the Python attributes the forward reads (a dropout's p, a flag in a config); call this
         after changing one."""
         while self._executors:
-            self._drop(self._executors.popitem(last=False)[1][1])
+            self._drop_key(next(iter(self._executors)))
         self._last = None
+
+    def _drop_key(self, key) -> None:
+        self._drop(self._executors.pop(key)[1])
+        self._drop(self._fallbacks.pop(key, (None, None))[1])
 
     def _drop(self, executor) -> None:
         """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
@@ -187,6 +200,7 @@ class SuperNeuronsModule(nn.Module):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
         state["_executors"], state["_retiring"], state["_last"] = {}, [], None
+        state["_fallbacks"] = {}
         return state
 
     def __setstate__(self, state):
@@ -222,15 +236,17 @@ def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bo
     return plan_peak_bytes + foreign <= budget_bytes
 
 
-def _drop_all(plans: OrderedDict, retiring: list) -> None:
+def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
     """Rule 5 for a wrapper Python collects. An executor with a step in flight is left to that
     step: autograd keeps its saved-tensor hooks, the executor's own methods, so the executor
     lives as long as the step's graph, and Python frees it with the graph (its host memory then
     goes back to PyTorch's pinned allocator, host Rule 5)."""
-    for executor in [executor for _, executor in plans.values()] + retiring:
+    for executor in [executor for _, executor in (*plans.values(), *fallbacks.values())] + \
+            retiring:
         if executor is not None and not executor.in_flight:
             executor.close()
     plans.clear()
+    fallbacks.clear()
     retiring.clear()
 
 
