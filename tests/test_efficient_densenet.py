@@ -4,6 +4,7 @@ and under sn.wrap, with memory linear in depth."""
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 
 import superneurons as sn
 from superneurons import models
@@ -81,6 +82,39 @@ def test_efficient_densenet_on_channels_last_runs_the_plain_layer():
         model.to(memory_format=torch.channels_last)
     _assert_same(plain, efficient, _train(plain, plain.parameters(), x, y, 2),
                  _train(efficient, efficient.parameters(), x, y, 2))
+
+
+def test_a_gradient_of_the_gradient_is_refused_not_wrong():
+    _, efficient = _pair(22)
+    x, _ = _batch()
+    x.requires_grad_()
+    with pytest.raises(ValueError, match="no gradient of a gradient"):
+        torch.autograd.grad(efficient(x).sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(efficient(x).sum(), x)      # first order still works
+
+
+def test_hooks_and_subclasses_run_the_plain_layer():
+    """A forward hook fires as in plain PyTorch; pruning's pre-hook recomputes the weight."""
+    plain, efficient = _pair(22)
+    calls = {"plain": 0, "efficient": 0}
+    for name, model in (("plain", plain), ("efficient", efficient)):
+        def count(*_, name=name):
+            calls[name] += 1
+        model.blocks[0].layers[1].norm1.register_forward_hook(count)
+        torch.nn.utils.prune.l1_unstructured(model.blocks[0].layers[0].conv1, "weight", 0.5)
+    x, y = _batch()
+    _assert_same(plain, efficient, _train(plain, plain.parameters(), x, y, 2),
+                 _train(efficient, efficient.parameters(), x, y, 2))
+    assert calls["efficient"] == calls["plain"] == 2
+
+
+def test_backward_of_some_layers_only_keeps_no_storage():
+    """torch.autograd.grad reaching only a block's later layers: no buffer outlives it."""
+    _, efficient = _pair(22)
+    x, _ = _batch()
+    weight = efficient.blocks[0].layers[-1].conv1.weight
+    (grad,) = torch.autograd.grad(efficient(x).sum(), weight)
+    assert grad.shape == weight.shape
 
 
 def test_efficient_densenet_under_wrap_is_exact():

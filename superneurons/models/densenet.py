@@ -12,7 +12,6 @@ class DenseLayer(nn.Module):
 
     def __init__(self, in_channels: int, growth_rate: int, bottleneck: int = 4):
         super().__init__()
-        self.first_in_block = False           # set by the block: shared storage's last reader
         width = bottleneck * growth_rate
         self.norm1, self.relu1 = nn.BatchNorm2d(in_channels), nn.ReLU()
         self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
@@ -39,7 +38,6 @@ class DenseBlock(nn.Module):
         self.max_channels = in_channels + (num_layers - 1) * growth_rate
         self.layers = nn.ModuleList(
             DenseLayer(in_channels + i * growth_rate, growth_rate) for i in range(num_layers))
-        self.layers[0].first_in_block = True
 
     def forward(self, x):
         features = [x]
@@ -47,10 +45,10 @@ class DenseBlock(nn.Module):
             for layer in self.layers:
                 features.append(layer(features))
             return torch.cat(features, 1)
-        storage = BlockStorage(self.max_channels)   # this forward's, and its backward's
+        storage = BlockStorage(self.max_channels)   # this forward's
         for layer in self.layers:
             features.append(layer(features, storage))
-        storage.release()                     # backward allocates them again, when it comes
+        storage.release()
         return torch.cat(features, 1)
 
 

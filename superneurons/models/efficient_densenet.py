@@ -10,13 +10,15 @@ storages, sized once for its widest layer (the last):
   1x1 convolution reads; the next layer overwrites both. Nothing of them is saved for backward:
   autograd keeps only the features themselves (which the block's output needs anyway), the
   parameters and the bottleneck convolution's output, which has a fixed width;
-- backward: each layer concatenates its features into the first storage again, runs the
-  normalization and ReLU again (not the 1x1 convolution: its backward needs only its input)
-  and the three backwards from there. These are PyTorch's own autograd kernels on the same
-  values, so the gradients are plain PyTorch's bit for bit; their
-  temporaries (the normalized input and the gradients, as wide as the concatenation) are freed
-  before the next layer's backward starts, so the caching allocator hands the next layer the
-  same blocks: the paper's shared gradient storage. Running statistics move once, in forward.
+- backward: each layer concatenates its features again, runs the normalization and ReLU again
+  (not the 1x1 convolution: its backward needs only its input) and the three backwards from
+  there. These are PyTorch's own autograd kernels on the same values, so the gradients are
+  plain PyTorch's bit for bit. Its buffers (the concatenation, the normalized input, the
+  gradients, each as wide as the concatenation) are its own and freed before the next layer's
+  backward starts, so the caching allocator hands that layer the same blocks: the shared
+  storage, and the paper's shared gradient storage, of backward (a storage shared explicitly
+  would break where backwards run concurrently on a retained graph or leave a layer out).
+  Running statistics move once, in forward; a gradient of the gradient is refused.
 
 The normalization writes into the shared storage where PyTorch's own kernel for it has an
 ``out=`` form (its native kernel: the CPU, and CUDA where cuDNN is off or not chosen); cuDNN's
@@ -59,7 +61,7 @@ class SharedStorage:
 
 
 class BlockStorage:
-    """A dense block's two shared storages for one forward and its backward."""
+    """A dense block's two shared storages for one forward."""
 
     def __init__(self, max_channels: int):
         self.concat = SharedStorage(max_channels)
@@ -91,7 +93,8 @@ def _update_factor(norm: nn.BatchNorm2d) -> float:
 
 
 class _SharedBottleneck(torch.autograd.Function):
-    """concat -> norm1 -> relu1 -> conv1 of one dense layer, through the block's storages."""
+    """concat -> norm1 -> relu1 -> conv1 of one dense layer, through the block's storages in
+    forward."""
 
     @staticmethod
     def forward(ctx, layer, storage, count, *tensors):
@@ -114,20 +117,31 @@ class _SharedBottleneck(torch.autograd.Function):
             normed = F.batch_norm(concat, *stats, norm_weight, norm_bias, training, factor,
                                   norm.eps)
         output = conv._conv_forward(normed.relu_(), conv_weight, conv.bias)
-        ctx.layer, ctx.storage, ctx.count, ctx.training = layer, storage, count, training
+        ctx.layer, ctx.count, ctx.training = layer, count, training
         ctx.eval_stats = None if training else tuple(s.clone() for s in stats)
         ctx.save_for_backward(*features, norm_weight, norm_bias, conv_weight)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
+        # create_graph=True: the recomputation below is not differentiated, so a gradient of
+        # this gradient would silently miss terms (once_differentiable raises only where a
+        # later backward happens to pass through it, and torch.autograd.grad may not)
+        if torch.is_grad_enabled() and grad_output.requires_grad:
+            raise ValueError("the shared-storage DenseNet (efficient=True) takes no gradient of "
+                             "a gradient (create_graph=True): use the plain DenseNet for that")
+        with torch.no_grad():
+            return _SharedBottleneck._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx, grad_output):
         saved = ctx.saved_tensors
         features, parameters = saved[:ctx.count], saved[ctx.count:]
         norm, conv = ctx.layer.norm1, ctx.layer.conv1
-        channels = sum(f.shape[1] for f in features)
-        concat = ctx.storage.concat.view(features[0], channels)
-        with torch.no_grad():
-            torch.cat(features, 1, out=concat)
+        # a buffer of this backward's own, freed when it returns: the caching allocator hands
+        # its block to the next layer's backward (backwards may also run concurrently on a
+        # retained graph, or leave a block's first layer out)
+        concat = torch.cat(features, 1)
         needs = ctx.needs_input_grad[3:]
         with torch.enable_grad():
             leaf = concat.detach().requires_grad_()
@@ -151,8 +165,6 @@ class _SharedBottleneck(torch.autograd.Function):
             result.append(grads[id(leaf)].narrow(1, offset, width) if needed else None)
             offset += width
         result += [grads.get(id(weight)), grads.get(id(bias)), grad_conv_weight]
-        if ctx.layer.first_in_block:
-            ctx.storage.release()        # the block's last backward: nothing reads them again
         return (None, None, None, *result)
 
 
@@ -163,6 +175,22 @@ def _capturing() -> bool:
     return symbolic() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
+def _plain_modules(layer) -> bool:
+    """Whether the layer's first three modules are exactly what the Function computes: torch.nn's
+    own classes as the DenseNet builds them, with no hooks (a subclass such as SyncBatchNorm, a
+    pruning pre-hook or a forward hook changes what they do, and the Function calls none)."""
+    norm, relu, conv = layer.norm1, layer.relu1, layer.conv1
+    modules = (norm, relu, conv)
+    hooked = any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
+                 m._backward_pre_hooks for m in modules) or any(
+        getattr(torch.nn.modules.module, name)
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                     "_global_backward_hooks", "_global_backward_pre_hooks"))
+    return (type(norm) is nn.BatchNorm2d and type(relu) is nn.ReLU and type(conv) is nn.Conv2d
+            and norm.affine and not relu.inplace and conv.bias is None
+            and conv.padding_mode == "zeros" and not hooked)
+
+
 def shared_bottleneck(layer, storage: BlockStorage, features: list) -> torch.Tensor:
     """conv1(relu1(norm1(cat(features)))) of ``layer`` through ``storage`` (see the module's
     docstring). The plain computation without grad, where nothing is kept anyway; under
@@ -171,12 +199,8 @@ def shared_bottleneck(layer, storage: BlockStorage, features: list) -> torch.Ten
     would differ from plain PyTorch's on the storages' contiguous views)."""
     if not torch.is_grad_enabled() or storage is None or _capturing() or \
             torch.is_autocast_enabled(features[0].device.type) or \
-            not all(f.is_contiguous() for f in features):
+            not all(f.is_contiguous() for f in features) or not _plain_modules(layer):
         return layer.conv1(layer.relu1(layer.norm1(torch.cat(features, 1))))
     norm = layer.norm1
-    if not (norm.affine and type(layer.relu1) is nn.ReLU and not layer.relu1.inplace
-            and layer.conv1.bias is None):
-        raise ValueError("the shared-storage dense layer needs an affine BatchNorm2d, a ReLU and "
-                         "a convolution without bias")
     return _SharedBottleneck.apply(layer, storage, len(features), *features, norm.weight,
                                    norm.bias, layer.conv1.weight)
