@@ -13,6 +13,7 @@ def settings(monkeypatch):
     monkeypatch.setattr(host, "_pinning_set", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", given.append)
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     monkeypatch.setattr(host.os, "cpu_count", lambda: 12)
     return given
 
@@ -23,6 +24,17 @@ def test_pinning_threads_are_set_once_keeping_the_users_settings(settings, monke
     host._pin_with_threads()
     assert settings == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
                         "pinned_num_register_threads:8"]      # a power of two, within 12 cores
+
+
+def test_a_warning_from_the_setting_never_ends_a_step(monkeypatch):
+    import warnings
+    monkeypatch.setattr(host, "_pinning_set", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings",
+                        lambda text: warnings.warn("deprecated", FutureWarning))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host._pin_with_threads()
 
 
 def test_the_users_pinned_options_win(settings, monkeypatch):

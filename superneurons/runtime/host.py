@@ -20,7 +20,9 @@ Rule 5: a closed store gives its chunks back: at once those no region is carved 
         page-locked, for the life of the process); the others when their last region returns (a
         handle of a step in flight still reads it), to PyTorch's pinned allocator. A store is
         closed when its plan is dropped (module.py Rule 5), rarely: a new plan captures again,
-        which costs more than pinning again.
+        which costs more than pinning again. Returning pages empties PyTorch's whole pinned
+        cache, the user's unused blocks (a DataLoader's) included: they are pinned again when
+        next asked for.
 Rule 6: before its first pinned chunk the store has PyTorch map the pages on PINNING_THREADS
         threads and then register them (pinned_use_cuda_host_register), unless the user set
         any pinned option: cudaHostAlloc pins 1.85 GiB/s on the H200's host, so a first step
@@ -30,6 +32,7 @@ Rule 6: before its first pinned chunk the store has PyTorch map the pages on PIN
 """
 
 import os
+import warnings
 
 import torch
 
@@ -167,22 +170,39 @@ def _aligned(num_bytes: int) -> int:
 
 
 def _pin_with_threads() -> None:
-    """Rule 6, once a process: the user's own allocator settings are kept (parsing settings
-    again may reset those not named, so theirs are named again)."""
+    """Rule 6, once a process. The user's own settings are kept: parsing settings again resets
+    those it does not name, so the ones in force are named again."""
     global _pinning_set
     if _pinning_set:
         return
     _pinning_set = True
-    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    settings = _allocator_settings()
     if "pinned_" in settings or not torch.cuda.is_available():
         return
-    # PyTorch takes a power of two
-    threads = 1 << (min(PINNING_THREADS, os.cpu_count() or 1).bit_length() - 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = 1 << (min(PINNING_THREADS, cores or 1).bit_length() - 1)   # a power of two
     ours = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
-    try:
-        torch.cuda.memory._set_allocator_settings(",".join(filter(None, (settings, ours))))
-    except (RuntimeError, AttributeError):      # a torch without these options pins as before
-        pass
+    # the call measured in pinning.json (deprecated in later torch, for the one below)
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None) or \
+        getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    with warnings.catch_warnings():            # a deprecation warning must not end a step
+        warnings.simplefilter("ignore")
+        try:
+            setter(",".join(filter(None, (settings, ours))))
+        except Exception:  # noqa: BLE001 -- a torch without these options pins as before
+            pass          # (a setter of None included)
+
+
+def _allocator_settings() -> str:
+    """The allocator settings in force: as PyTorch parsed them where it says, else as given in
+    the environment (PYTORCH_ALLOC_CONF first, as PyTorch reads them)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        try:
+            return getter()
+        except Exception:  # noqa: BLE001 -- fall back to what the environment says
+            pass
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 _pinning_set = False
