@@ -18,8 +18,15 @@ def settings(monkeypatch):
     return given
 
 
+def _in_force(monkeypatch, text: str) -> None:
+    """The allocator settings PyTorch says are in force."""
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: text,
+                        raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", text)
+
+
 def test_pinning_threads_are_set_once_keeping_the_users_settings(settings, monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _in_force(monkeypatch, "expandable_segments:True")
     host._pin_with_threads()
     host._pin_with_threads()
     assert settings == ["expandable_segments:True,pinned_use_cuda_host_register:True,"
@@ -38,6 +45,6 @@ def test_a_warning_from_the_setting_never_ends_a_step(monkeypatch):
 
 
 def test_the_users_pinned_options_win(settings, monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+    _in_force(monkeypatch, "pinned_use_cuda_host_register:False")
     host._pin_with_threads()
     assert settings == []
