@@ -66,6 +66,9 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
                 "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
+                # the first step's parts: host memory taken (pinned), allocator readings
+                "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
+                "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
                 "budget_held": peak <= BUDGET_GIB * 2**30})
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
         row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"

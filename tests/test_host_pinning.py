@@ -48,3 +48,20 @@ def test_the_users_pinned_options_win(settings, monkeypatch):
     _in_force(monkeypatch, "pinned_use_cuda_host_register:False")
     host._pin_with_threads()
     assert settings == []
+
+
+def test_a_step_counts_the_host_time_it_spent_taking_memory():
+    """The first step takes host memory for its offloads; the next reuses it (StepStats)."""
+    import torch.nn.functional as F
+    import superneurons as sn
+    from superneurons import models
+    model = models.resnet(blocks=(1, 1, 1, 1), num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    wrapped = sn.wrap(model, policy="superneurons")
+    seconds = []
+    for _ in range(2):
+        F.nll_loss(wrapped(x), y).backward()
+        assert wrapped.stats.offloaded_bytes > 0
+        seconds.append(wrapped.stats.host_memory_seconds)
+    assert seconds[0] > 0 and seconds[1] == 0.0
+    assert wrapped.stats.calibration_seconds == 0.0           # no allocator on the CPU

@@ -34,6 +34,7 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
 """
 
 import operator
+import time
 import weakref
 
 import torch
@@ -145,6 +146,7 @@ class Executor:
         self.pending: list = []
         self.recomputed_layers = 0
         self.accounted_peak = 0
+        self.calibration_seconds = 0.0
 
     def _read_state(self) -> None:
         self.parameters = list(self.model.parameters())
@@ -203,15 +205,23 @@ class Executor:
             outside = (int(FIRST_STEP_MARGIN * outside) if self.excess_bytes is None
                        else outside + self.excess_bytes)
             if self.calibrating:
-                ours = allocated_bytes(self.device) - self.pool.exact_device_bytes
+                ours = self._allocated() - self.pool.exact_device_bytes
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
+
+    def _allocated(self) -> int:
+        """The allocator's reading while calibrating, its host time counted (StepStats)."""
+        began = time.perf_counter()
+        try:
+            return allocated_bytes(self.device)
+        finally:
+            self.calibration_seconds += time.perf_counter() - began
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            ours = allocated_bytes(self.device) - self.foreign_bytes - self.pool.exact_device_bytes
+            ours = self._allocated() - self.foreign_bytes - self.pool.exact_device_bytes
             self.seen_excess = max(self.seen_excess or 0, ours - self.unmanaged[step])
 
     def bwd(self, layer_index: int) -> int:

@@ -32,6 +32,7 @@ Rule 6: before its first pinned chunk the store has PyTorch map the pages on PIN
 """
 
 import os
+import time
 import warnings
 
 import torch
@@ -94,6 +95,7 @@ class HostMemory:
         self.first_chunk_bytes = first_chunk_bytes
         self.chunks: dict = {}               # data_ptr of a chunk's storage -> _Chunk
         self.closed = False
+        self.taking_seconds = 0.0            # host time spent taking chunks (StepStats)
 
     @property
     def capacity(self) -> int:
@@ -146,6 +148,13 @@ class HostMemory:
             _return_pinned_pages()
 
     def _grow(self, size: int) -> _Chunk:
+        began = time.perf_counter()
+        try:
+            return self._take(size)
+        finally:
+            self.taking_seconds += time.perf_counter() - began
+
+    def _take(self, size: int) -> _Chunk:
         want = max(min(max(self.capacity, self.first_chunk_bytes), MAX_CHUNK_BYTES), size)
         want = 1 << (want - 1).bit_length()                                  # Rule 2
         buffer, pinned = None, self.pin

@@ -182,6 +182,7 @@ class SuperNeuronsModule(nn.Module):
         executor.pool.offloaded_bytes = executor.pool.prefetched_bytes = 0
         executor.pool.cache_hits = executor.pool.cache_misses = 0
         executor.recomputed_layers = executor.accounted_peak = 0
+        executor.calibration_seconds = executor.pool.host_memory.taking_seconds = 0.0
         graph = plan.graph
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         try:
@@ -221,7 +222,8 @@ class SuperNeuronsModule(nn.Module):
         return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
-                         executor.recomputed_layers, cuda)
+                         executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
+                         executor.calibration_seconds)
 
 
 def reads_device_memory(device: torch.device) -> bool:

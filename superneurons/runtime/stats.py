@@ -15,6 +15,10 @@ class StepStats:
     cache_misses: int
     recomputed_layers: int
     measured: bool             # True where peak_bytes is a device measurement
+    # host seconds of the step's first-step work: taking host memory for offloads (pinning on
+    # CUDA) and reading the allocator while calibrating (executor Rule 4)
+    host_memory_seconds: float = 0.0
+    calibration_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
