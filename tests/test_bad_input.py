@@ -67,3 +67,14 @@ def test_memory_held_by_others_beyond_the_budget_is_named():
     with pytest.raises(ValueError, match=r"already hold 11.00 GiB on cuda:0, all of the budget "
                                          r"of 10.00 GiB"):
         budget_left(10 * 2**30, 11 * 2**30, "cuda:0")
+
+
+@pytest.mark.parametrize("steps", ["0", "-2", "two"])
+def test_cli_train_refuses_steps_that_are_not_a_positive_count(steps, monkeypatch, capsys):
+    def never(*args, **kwargs):
+        raise AssertionError("a model was built for a bad --steps")
+    monkeypatch.setattr(models, "build", never)
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "resnet50", "--batch", "8", "--steps", steps])
+    assert stopped.value.code == 2
+    assert "--steps" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
 
+import argparse
 import gc
 import os
 import subprocess
@@ -17,7 +18,7 @@ from .plan_cmd import add_model_arguments, budget
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=_positive, default=10)
     parser.add_argument("--policy", default="superneurons",
                         help="baseline, liveness, offload, recompute, superneurons or auto")
     parser.add_argument("--budget", type=budget,
@@ -33,6 +34,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="data-parallel processes (torchrun, DistributedDataParallel); "
                              "--batch is per process")
+
+
+def _positive(text: str) -> int:
+    """--steps, read by the parser: at least one step, or there is nothing to report."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps, 1 or more: {text!r}")
+    return value
 
 
 def _progress(total: int):
@@ -121,6 +133,7 @@ def run(args) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             first_step_seconds = time.perf_counter() - start
+            first = stats_of.stats
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -149,6 +162,8 @@ def run(args) -> None:
                      f"{first_step_seconds:.2f} s / " + (
                          f"{(elapsed - first_step_seconds) / (args.steps - 1):.2f} s each"
                          if args.steps > 1 else "none")],
+                    ["first step: host memory taken / allocator read",
+                     f"{first.host_memory_seconds:.2f} s / {first.calibration_seconds:.2f} s"],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
