@@ -172,7 +172,8 @@ def _capturing() -> bool:
     """Whether torch.fx, torch.export or torch.compile is tracing the forward: they capture the
     plain layer (an opaque function holding storages would hide its bytes from the plan)."""
     symbolic = getattr(_symbolic_trace, "is_fx_symbolic_tracing", _symbolic_trace.is_fx_tracing)
-    return symbolic() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+    return symbolic() or torch.compiler.is_compiling() or exporting()
 
 
 def _plain_modules(layer) -> bool:
