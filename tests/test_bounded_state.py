@@ -68,6 +68,21 @@ def test_only_the_plans_used_last_remain():
     assert batch_sizes(wrapped) == [*kept[2:], kept[0], 100]
 
 
+def test_calls_cycling_past_the_plans_kept_warn_once(recwarn):
+    wrapped = sn.wrap(small_resnet(), policy="superneurons")
+    wrapped.max_plans = 2
+    for size in (2, 3, 2, 3):                                  # fits: no warning
+        step(wrapped, size)
+    assert not [w for w in recwarn if "max_plans" in str(w.message)]
+    for size in (4, 2, 3, 4):                                  # 2 was dropped, then asked for
+        step(wrapped, size)
+    warned = [w for w in recwarn if "max_plans" in str(w.message)]
+    assert len(warned) == 1 and "more than 2 different input structures" in str(warned[0].message)
+    wrapped.replan()                                           # asked for: no warning
+    step(wrapped, 4)
+    assert len([w for w in recwarn if "max_plans" in str(w.message)]) == 1
+
+
 def test_a_dropped_executors_host_memory_is_given_back():
     wrapped = sn.wrap(small_resnet(), policy="superneurons")
     wrapped.max_plans = 1
@@ -87,6 +102,7 @@ def test_a_dropped_executors_host_memory_is_given_back():
     assert kept.pool.host_memory.capacity == 0 and not wrapped._executors
 
 
+@pytest.mark.filterwarnings("ignore:superneurons. the model is called")   # 1 plan: it cycles
 @pytest.mark.parametrize("max_plans", [1, module.MAX_PLANS])
 @pytest.mark.parametrize("policy", ["superneurons", "recompute"])
 def test_training_alternating_batch_sizes_is_exact(policy, max_plans):

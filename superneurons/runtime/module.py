@@ -22,9 +22,12 @@ Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wr
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
         reads them, and gradient accumulation keeps several steps'). A step's graph keeps its
         executor alive by itself (autograd holds the saved-tensor hooks, the executor's own
-        methods): a wrapper collected before backward leaves its step whole.
+        methods): a wrapper collected before backward leaves its step whole. Calls that
+        cycle through more structures than that, so that a dropped plan is asked for again,
+        get one warning (each such call captures again).
 """
 
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -71,6 +74,7 @@ class SuperNeuronsModule(nn.Module):
         # call key -> the managed (plan, executor) for steps its untouched plan no longer fits
         self._fallbacks: dict = {}
         self._retiring: list = []      # dropped executors with a step in flight (Rule 5)
+        self._dropped: OrderedDict = OrderedDict()     # keys dropped lately (Rule 5's warning)
         self._last = None
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
@@ -90,6 +94,8 @@ class SuperNeuronsModule(nn.Module):
             self._close_idle()
         planned = self._executors.get(key)
         if planned is None:
+            if key in self._dropped:
+                self._warn_recapture()
             planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
@@ -113,9 +119,13 @@ class SuperNeuronsModule(nn.Module):
         after changing one."""
         while self._executors:
             self._drop_key(next(iter(self._executors)))
+        self._dropped.clear()         # capturing again is asked for, not a cycle of shapes
         self._last = None
 
     def _drop_key(self, key) -> None:
+        self._dropped[key] = None
+        while len(self._dropped) > 4 * self.max_plans:
+            self._dropped.popitem(last=False)
         self._drop(self._executors.pop(key)[1])
         self._drop(self._fallbacks.pop(key, (None, None))[1])
 
@@ -127,6 +137,19 @@ class SuperNeuronsModule(nn.Module):
             self._retiring.append(executor)
         else:
             executor.close()
+
+    def _warn_recapture(self) -> None:
+        """Once: calls cycle through more structures than the plans kept, so each capture is
+        thrown away before its next use (seconds a step on a large model)."""
+        if getattr(self, "_warned_recapture", False):
+            return
+        self._warned_recapture = True
+        warnings.warn(
+            f"superneurons: the model is called with more than {self.max_plans} different "
+            "input structures (shapes, dtypes, modes) in turn, so a plan is captured again for "
+            f"a call seen before; raise wrapped.max_plans above {self.max_plans} (each plan "
+            "keeps its host memory) or pad inputs to fewer shapes",
+            stacklevel=6)             # the user's call: through forward and nn.Module's call
 
     def _close_idle(self) -> None:
         still = [executor for executor in self._retiring if executor.in_flight]
@@ -201,7 +224,7 @@ class SuperNeuronsModule(nn.Module):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
         state["_executors"], state["_retiring"], state["_last"] = {}, [], None
-        state["_fallbacks"] = {}
+        state["_fallbacks"], state["_dropped"] = {}, OrderedDict()
         return state
 
     def __setstate__(self, state):
