@@ -21,8 +21,9 @@ storages, sized once for its widest layer (the last):
   Running statistics move once, in forward; a gradient of the gradient is refused.
 
 The normalization writes into the shared storage where PyTorch's own kernel for it has an
-``out=`` form (its native kernel: the CPU, and CUDA where cuDNN is off or not chosen); cuDNN's
-kernel always allocates, and there its output is a temporary, freed before the next layer's.
+``out=`` form and gives plain PyTorch's bits (its native kernel on the CPU); on CUDA plain
+PyTorch runs cuDNN's kernel, which always allocates, and there the output is a temporary, freed
+before the next layer's.
 Under autocast and on channels_last features the plain layer runs (shared_bottleneck says why).
 
 Under ``sn.wrap`` the layers are captured as plain ones (torch.fx traces the plain forward):
@@ -72,15 +73,12 @@ class BlockStorage:
         self.normed.release()
 
 
-def _norm_writes_in_place(x: torch.Tensor, norm: nn.BatchNorm2d) -> bool:
-    """Whether plain PyTorch's batch norm on ``x`` runs the native kernel, which has an out=
-    form (cuDNN's is chosen on CUDA for float and half inputs while cuDNN is enabled)."""
-    if x.device.type == "cpu":
-        return True
-    if x.device.type != "cuda":
-        return False
-    return not (torch.backends.cudnn.enabled and x.dtype != torch.bfloat16
-                and norm.weight.dtype != torch.bfloat16)
+def _norm_writes_in_place(x: torch.Tensor) -> bool:
+    """Whether the normalization writes into the shared storage: where plain PyTorch runs the
+    native kernel, which has an out= form, and that was seen to give its bits: the CPU. On CUDA
+    plain PyTorch mostly runs cuDNN's kernel (no out= form) and picks the native one by rules
+    of dtype, size and epsilon; F.batch_norm there makes the same pick by construction."""
+    return x.device.type == "cpu"
 
 
 def _update_factor(norm: nn.BatchNorm2d) -> float:
@@ -107,7 +105,7 @@ class _SharedBottleneck(torch.autograd.Function):
         stats = (norm.running_mean, norm.running_var) if norm.track_running_stats else (None,
                                                                                         None)
         training = norm.training or stats[0] is None
-        if _norm_writes_in_place(concat, norm):
+        if _norm_writes_in_place(concat):
             normed = storage.normed.view(concat, channels)
             save = torch.empty(0, device=concat.device, dtype=concat.dtype)
             torch.ops.aten.native_batch_norm.out(concat, norm_weight, norm_bias, *stats, training,
