@@ -104,6 +104,14 @@ class _RangeMax:
         return max(table[first], table[last - (1 << level) + 1])
 
 
+def _has_path(obj, dotted: str) -> bool:
+    try:
+        operator.attrgetter(dotted)(obj)
+        return True
+    except AttributeError:
+        return False
+
+
 def _never(_):
     raise RuntimeError("a tensor saved during a superneurons replay was read; please report this")
 
@@ -144,9 +152,14 @@ class Executor:
         self.records: dict = {}
         self.every_record = weakref.WeakSet()  # of every step whose handles may live (in_flight)
         self.pending: list = []
-        self.recomputed_layers = 0
-        self.accounted_peak = 0
-        self.calibration_seconds = 0.0
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        """What StepStats reports is the last step's alone."""
+        pool = self.pool
+        pool.offloaded_bytes = pool.prefetched_bytes = pool.cache_hits = pool.cache_misses = 0
+        pool.host_memory.taking_seconds = self.calibration_seconds = 0.0
+        self.recomputed_layers = self.accounted_peak = 0
 
     def _read_state(self) -> None:
         self.parameters = list(self.model.parameters())
@@ -169,6 +182,11 @@ class Executor:
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.input_node = dict(zip(graph.input_values, graph.input_nodes))
         self.attrs = [n for n in self.gm.graph.nodes if n.op == "get_attr"]
+        # whose attribute each get_attr reads: the model's own tensors by their names (read
+        # again every step), else the graph's (constants, the bodies of grad-mode and autocast
+        # regions); decided once, not by an exception per node and step
+        self.state_owner = {node: self.model if _has_path(self.model, node.target) else self.gm
+                            for node in self.attrs}
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
 
     def _replay_liveness(self, graph) -> None:
@@ -232,6 +250,7 @@ class Executor:
         """One forward from the graph's flat inputs (placeholders in order); the output as the
         model returns it."""
         self.step_id += 1
+        self._reset_stats()
         self._read_state()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.records, self.pending = {}, []
@@ -407,12 +426,8 @@ class Executor:
         return record
 
     def _state(self, node: fx.Node):
-        """A get_attr node's object: the model's own tensor by its name, else the graph's
-        (constants, the bodies of grad-mode and autocast regions)."""
-        try:
-            return operator.attrgetter(node.target)(self.model)
-        except AttributeError:
-            return operator.attrgetter(node.target)(self.gm)
+        """A get_attr node's object, read from its owner now (state_owner)."""
+        return operator.attrgetter(node.target)(self.state_owner[node])
 
     def replay(self, record: SegmentRecord, last: int, wanted: set) -> None:
         """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""

@@ -149,12 +149,6 @@ class HostMemory:
 
     def _grow(self, size: int) -> _Chunk:
         began = time.perf_counter()
-        try:
-            return self._take(size)
-        finally:
-            self.taking_seconds += time.perf_counter() - began
-
-    def _take(self, size: int) -> _Chunk:
         want = max(min(max(self.capacity, self.first_chunk_bytes), MAX_CHUNK_BYTES), size)
         want = 1 << (want - 1).bit_length()                                  # Rule 2
         buffer, pinned = None, self.pin
@@ -171,6 +165,7 @@ class HostMemory:
             buffer = _pageable(max(want, size), size, self.capacity)
         chunk = _Chunk(buffer, pinned)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
+        self.taking_seconds += time.perf_counter() - began
         return chunk
 
 

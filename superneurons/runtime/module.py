@@ -88,8 +88,9 @@ class SuperNeuronsModule(nn.Module):
         autocast = autocast_state(device.type)
         # every module's mode and every parameter's requires_grad: a graph specializes on both
         # (BatchNorm frozen by eval(), progressive unfreezing)
+        parameters = list(self.model.parameters())
         key = (key, tuple(m.training for m in self.model.modules()),
-               tuple(p.requires_grad for p in self.model.parameters()), autocast)
+               tuple(p.requires_grad for p in parameters), autocast)
         if self._retiring:
             self._close_idle()
         planned = self._executors.get(key)
@@ -104,7 +105,7 @@ class SuperNeuronsModule(nn.Module):
         plan, executor = planned
         if executor is None and self.budget_bytes is not None and \
                 self.policy in _DECIDES_UNTOUCHED and reads_device_memory(device):   # Rule 2
-            foreign = foreign_bytes(plan.graph, tensors, device, self.model.parameters())
+            foreign = foreign_bytes(plan.graph, tensors, device, parameters)
             if not untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
                 # kept beside the untouched plan: memory others hold may be passing (a
                 # previous micro-batch's activations, another model's step)
@@ -202,10 +203,6 @@ class SuperNeuronsModule(nn.Module):
         self._last = (plan, executor, device)
         if executor is None:
             return self.model(*args, **kwargs)
-        executor.pool.offloaded_bytes = executor.pool.prefetched_bytes = 0
-        executor.pool.cache_hits = executor.pool.cache_misses = 0
-        executor.recomputed_layers = executor.accounted_peak = 0
-        executor.calibration_seconds = executor.pool.host_memory.taking_seconds = 0.0
         graph = plan.graph
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         try:
@@ -223,8 +220,8 @@ class SuperNeuronsModule(nn.Module):
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
-        state["_executors"], state["_retiring"], state["_last"] = {}, [], None
-        state["_fallbacks"], state["_dropped"] = {}, OrderedDict()
+        for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_last"):
+            del state[name]           # __setstate__ makes them anew (_init_plans)
         return state
 
     def __setstate__(self, state):
