@@ -34,17 +34,11 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
-    from superneurons import models
-    from common import cap_memory, make, sgd, sgd_step
+    from common import cap_memory, make, make_deep_resnet, sgd, sgd_step
 
     cap_memory(CAP_GIB)
     began = time.perf_counter()
-    if n3 is None:
-        model, x, y = make(network, batch, "cuda")
-    else:
-        model = models.resnet(blocks=(3, 4, n3, 3)).cuda()
-        x = torch.randn(batch, 3, 224, 224, device="cuda")
-        y = torch.randint(0, 1000, (batch,), device="cuda")
+    model, x, y = make(network, batch, "cuda") if n3 is None else make_deep_resnet(n3, batch)
     row = {"build_s": time.perf_counter() - began}
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
     optimizer = sgd(model)

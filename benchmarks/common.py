@@ -130,6 +130,14 @@ def make(name: str, batch: int, device, *, depth=None, growth=None, image=None, 
     return model, x, y
 
 
+def make_deep_resnet(n3: int, batch: int, device="cuda"):
+    """The depth benchmarks' bottleneck ResNet [3, 4, n3, 3] (depth 3 * (n3 + 10) + 2) and a
+    batch of 224 px images."""
+    model = models.resnet(blocks=(3, 4, n3, 3)).to(device)
+    x = torch.randn(batch, 3, 224, 224, device=device)
+    return model, x, torch.randint(0, 1000, (batch,), device=device)
+
+
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer every benchmark steps: SGD with momentum (its state counts on the device)."""
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

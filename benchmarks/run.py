@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
-from common import cap_memory, fits, largest, make, sgd, sgd_step, system, throughput, \
-    write  # noqa: E402
+from common import cap_memory, fits, largest, make, make_deep_resnet, sgd, sgd_step, \
+    system, throughput, write  # noqa: E402
 from no_workspace import DenyWorkspace  # noqa: E402
 
 SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
@@ -62,7 +62,7 @@ def depth_part(args) -> dict:
         start = args.start or {"plain": 240, "checkpoint": 624, "save_on_cpu": 864,
                                "superneurons": 864}[name]
         began = time.time()
-        n3, exact = largest(lambda n: fits(lambda: _resnet(n, 16), name,
+        n3, exact = largest(lambda n: fits(lambda: make_deep_resnet(n, 16), name,
                                            **options_for(name, args.budget)),
                             min(start, high - 1), bound=high, tolerance=0.03,
                             seconds=args.seconds)
@@ -82,12 +82,6 @@ def _model_state_bound(cap_gib: float) -> int:
             return 4 * sum(p.numel() for p in models.resnet(blocks=(3, 4, n3, 3)).parameters())
     per_block = parameter_bytes(2) - parameter_bytes(1)
     return int((cap_gib * 2**30 / 3 - parameter_bytes(1)) // per_block) + 2
-
-
-def _resnet(n3: int, batch: int):
-    model = models.resnet(blocks=(3, 4, n3, 3)).cuda()
-    x = torch.randn(batch, 3, 224, 224, device="cuda")
-    return model, x, torch.randint(0, 1000, (batch,), device="cuda")
 
 
 def batch_part(args) -> dict:
