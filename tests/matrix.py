@@ -203,12 +203,14 @@ def example_input(args: tuple):
 _LIVENESS_PEAK: OrderedDict = OrderedDict()   # the last case's liveness peak, for its policies
 
 
-def forcing_budget(model, args, kwargs, policy: str, key=None) -> int | None:
+def forcing_budget(model, args, kwargs, policy: str, key=None, state="device") -> int | None:
     """Halfway between the policy's own peak and liveness's: the runtime must act. ``key``
     names the case (same model, same inputs) whose liveness peak may be reused."""
     if policy == "liveness":
         return None
     extra = {"kwargs": kwargs} if kwargs else {}
+    extra["state"] = state
+    key = None if key is None else (key, state)
     example = example_input(args)
     if key is None or key not in _LIVENESS_PEAK:
         liveness = sn.plan(model, example, policy="liveness", **extra).peak_bytes
@@ -269,15 +271,16 @@ def _first_line(error: BaseException) -> str:
 
 
 def compare(build, policy: str, *, steps: int = 3, optimizer: str | None = None,
-            budget: Any = "forcing", seed: int = 0) -> Outcome:
-    """Train ``build``'s model plainly and under ``sn.wrap(policy=, budget=)``; see the module
-    docstring. Returns the outcome ('exact' or 'refused'); raises MatrixFailure on any
-    difference and lets any other exception of the wrapped side through."""
+            budget: Any = "forcing", seed: int = 0, state: str = "device") -> Outcome:
+    """Train ``build``'s model plainly and under ``sn.wrap(policy=, budget=, state=)``; see
+    the module docstring. Returns the outcome ('exact' or 'refused'); raises MatrixFailure on
+    any difference and lets any other exception of the wrapped side through. ``state="host"``:
+    the wrapped model's state in host memory, computed where the plain one was."""
     outcome = Outcome(_resolve(build)[0], policy, "exact")
-    return _compare(build, policy, outcome, steps, optimizer, budget, seed)
+    return _compare(build, policy, outcome, steps, optimizer, budget, seed, state)
 
 
-def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
+def _compare(build, policy, outcome, steps, optimizer, budget, seed, state="device") -> Outcome:
     name, builder, preferred = _resolve(build)
     optimizer = optimizer or preferred or "adamw"
     plain = plain_run(build, steps=steps, optimizer=optimizer, seed=seed)
@@ -301,7 +304,7 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
     start = time.perf_counter()
     try:
         key = (name, id(builder), seed)
-        outcome.budget = (forcing_budget(model, args, kwargs, policy, key)
+        outcome.budget = (forcing_budget(model, args, kwargs, policy, key, state)
                           if budget == "forcing" else budget)
     except ValueError as error:
         return refused(error, "by sn.plan")
@@ -313,7 +316,9 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
 
     start = time.perf_counter()
     try:
-        wrapped = sn.wrap(model, policy=policy, budget=outcome.budget)
+        where = {} if state == "device" else \
+            {"state": state, "device": next(model.parameters()).device}
+        wrapped = sn.wrap(model, policy=policy, budget=outcome.budget, **where)
     except ValueError as error:
         return refused(error, "by sn.wrap")
     got = train(model, wrapped, args, kwargs, loss_fn, steps, optimizer, seed + 1)
@@ -379,12 +384,12 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed) -> Outcome:
 
 
 def run(build, policy: str, *, steps: int = 3, optimizer: str | None = None,
-        budget: Any = "forcing", seed: int = 0) -> Outcome:
+        budget: Any = "forcing", seed: int = 0, state: str = "device") -> Outcome:
     """compare(), never raising: a failure is an Outcome with status 'FAILED' and the reason."""
     outcome = Outcome(_resolve(build)[0], policy, "exact")
     start = time.perf_counter()
     try:
-        return _compare(build, policy, outcome, steps, optimizer, budget, seed)
+        return _compare(build, policy, outcome, steps, optimizer, budget, seed, state)
     except MatrixFailure as error:
         reason = str(error)
     except Exception as error:              # noqa: BLE001 -- the matrix records every failure

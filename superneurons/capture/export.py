@@ -152,6 +152,22 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
     return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
 
 
+def retarget_devices(gm: fx.GraphModule, source: torch.device, target: torch.device) -> None:
+    """Every device argument naming ``source`` names ``target`` instead, in regions too: a
+    graph exported with the model's state on the host (an arange on the inputs' device) that
+    runs on the device."""
+    def swap(arg):
+        return target if isinstance(arg, torch.device) and arg.type == source.type else arg
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = pytree.tree_map(swap, node.args)
+            node.kwargs = pytree.tree_map(swap, node.kwargs)
+        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None),
+                                                  fx.GraphModule):
+            retarget_devices(getattr(gm, node.target), source, target)
+    gm.recompile()
+
+
 def _read_state_written_in_place(graph: fx.Graph) -> None:
     """An in-place operation returns the tensor it wrote: where that is model state (a
     BatchNorm's step count, counted again by a second call of the module), later readers read

@@ -89,4 +89,8 @@ def explain(plan, per_layer=None) -> str:
     offloaded = sum(1 for a in plan.actions if a is Action.OFFLOAD)
     rows.append(f"{offloaded} storages may move to host memory "
                 f"({format_bytes(plan.offloaded_bytes)}), moved only when the budget needs room")
+    if plan.state == "host":
+        rows.append(f"model state on the host: {format_bytes(plan.state_bytes_moved)} streamed a "
+                    "step (parameters to the device for forward, replays and backward; "
+                    "gradients back)")
     return "\n".join(rows)

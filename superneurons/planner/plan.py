@@ -11,6 +11,7 @@ from .policy import Policy, Strategy, find_segments, parse_policy, parse_strateg
     route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
+from .state import STATES, layer_state, state_buffers, state_bytes_moved
 from .trim import bytes_to_move, replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
@@ -53,6 +54,8 @@ class Plan:
     steps: tuple = field(repr=False)
     extra_computations: dict = field(repr=False)
     needs: SegmentNeeds = field(repr=False)     # when and how far each segment replays
+    state: str = "device"     # where parameters, gradients and buffers live (planner/state.py)
+    state_bytes_moved: int = 0  # with state on the host: bytes of state over the link a step
 
     @property
     def route(self) -> list:
@@ -65,7 +68,7 @@ class Plan:
 
     @property
     def resident_bytes(self) -> int:
-        return self.graph.resident_bytes
+        return self.graph.resident_bytes if self.state == "device" else 0
 
     @property
     def peak_bytes(self) -> int:
@@ -85,15 +88,16 @@ class Plan:
         return sum(b.nbytes for b in self.buffers if b.managed)
 
     def bytes_to_move(self, budget=None) -> int:
-        """What the Tensor Cache must send to the host (and back) each step to run this plan
-        within ``budget`` (the plan's own by default): 0 when it fits with every checkpoint on
-        the device, else every rise of its live bytes above the budget."""
+        """What moves over the host link each step to run this plan within ``budget`` (the
+        plan's own by default): what the Tensor Cache must send to the host (and back), 0 when
+        it fits with every checkpoint on the device, else every rise of its live bytes above
+        the budget; plus, with state on the host, the state streamed (state_bytes_moved)."""
         budget = self.budget_bytes if budget is None else parse_bytes(budget)
         if budget is None:
             raise ValueError("bytes_to_move needs a budget: this plan was made without one")
         keep = _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
-                      self.strategy, budget, list(self.segments))
-        return bytes_to_move(keep, budget)
+                      self.strategy, budget, list(self.segments), self.state)
+        return bytes_to_move(keep, budget) + self.state_bytes_moved
 
     def unmanaged_per_step(self) -> list:
         """Per step, the live bytes the Tensor Pool cannot move (all but its managed buffers)."""
@@ -128,6 +132,7 @@ class Plan:
             "policy": str(self.policy), "strategy": str(self.strategy),
             "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
             "resident_bytes": self.resident_bytes, "max_layer_bytes": self.max_layer_bytes,
+            "state": self.state, "state_bytes_moved": self.state_bytes_moved,
             "offloaded_bytes": self.offloaded_bytes,
             "num_layers": len(self.order), "num_extra_computations": self.num_extra_computations,
             "steps": [{"step": s.index, "phase": s.phase, "layer": s.layer,
@@ -142,12 +147,13 @@ class Plan:
 
 
 def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts, policy: Policy,
-           strategy: Strategy, budget: int | None, segments: list | None = None) -> Plan:
+           strategy: Strategy, budget: int | None, segments: list | None = None,
+           state: str = "device") -> Plan:
     if segments is None and policy.recomputes and policy.offloads:
         # policy Rule 7 only where its stored values lower the peak (ResNets: yes; DenseNets: no,
         # and DenseNet-BC 2902 would send 270 GiB a step to the host for them)
         def build(segments: list) -> Plan:
-            return _build(graph, order, timeline, costs, policy, strategy, budget, segments)
+            return _build(graph, order, timeline, costs, policy, strategy, budget, segments, state)
         with_rule_7 = find_segments(graph, order, strategy, costs, offloads=True)
         without = find_segments(graph, order, strategy, costs)
         if with_rule_7 == without:                  # Rule 7 stored nothing: one plan to build
@@ -160,27 +166,38 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
     actions = storage_actions(graph, policy, segment_of)
     needs = SegmentNeeds(graph, timeline, segments, actions)
     buffers = predict_buffers(graph, timeline, policy, actions, segments, needs)
+    resident, moved = graph.resident_bytes, 0
+    if state == "host":
+        states = layer_state(graph)
+        buffers += state_buffers(graph, timeline, segments, needs, states)
+        resident, moved = 0, state_bytes_moved(segments, needs, states)
     live_bytes, live_count = live_per_step(buffers, timeline.num_steps)
     n = len(order)
     steps = tuple(
         Step(k, "forward" if k < n else "backward",
              graph.layers[order[k] if k < n else order[2 * n - 1 - k]].name,
-             live_bytes[k] + graph.resident_bytes, live_count[k])
+             live_bytes[k] + resident, live_count[k])
         for k in range(2 * n))
     extra = recompute_counts(segments, needs) if segments else {}
     return Plan(policy, strategy, budget, graph, tuple(order), timeline, costs, tuple(segments),
-                tuple(actions), tuple(buffers), steps, extra, needs)
+                tuple(actions), tuple(buffers), steps, extra, needs, state, moved)
 
 
 def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
-               strategy="cost-aware") -> Plan:
-    """Plan a captured graph. With a budget, a plan that cannot fit raises ValueError."""
+               strategy="cost-aware", state="device") -> Plan:
+    """Plan a captured graph; ``state``: where parameters, gradients and buffers live,
+    "device" or "host" (streamed to the device for each layer). With a budget, a plan that
+    cannot fit raises ValueError."""
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
+    state = parse_state(state)
     order = build_route(graph)
     timeline = build_timeline(graph, order)
     costs = layer_costs(graph)
+
+    def build(p, segments=None):
+        return _build(graph, order, timeline, costs, p, strategy, budget, segments, state)
     if policy is Policy.AUTO:
-        candidates = [_build(graph, order, timeline, costs, p, strategy, budget) for p in AUTO_ORDER]
+        candidates = [build(p) for p in AUTO_ORDER]
         fitting = [c for c in candidates if budget is None or c.peak_bytes <= budget]
         if not fitting:
             _raise_over_budget(candidates[-1], budget)
@@ -189,10 +206,8 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
             return result
         policy = result.policy           # and within the budget, what that policy replays
     else:
-        result = _build(graph, order, timeline, costs, policy, strategy, budget)
+        result = build(policy)
     if budget is not None and result.peak_bytes <= budget and policy.recomputes:
-        def build(p, segments):
-            return _build(graph, order, timeline, costs, p, strategy, budget, segments)
         def segments_for(keep):
             return find_segments(graph, order, strategy, costs, keep=keep)
         candidates = find_segments(graph, order, strategy, costs, offloads=False)
@@ -201,15 +216,28 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     if budget is not None and result.peak_bytes > budget:
         smallest = result
         if policy is not Policy.SUPERNEURONS:
-            smallest = _build(graph, order, timeline, costs, Policy.SUPERNEURONS, strategy, budget)
+            smallest = build(Policy.SUPERNEURONS)
         _raise_over_budget(result, budget, smallest)
     return result
+
+
+def parse_state(state) -> str:
+    if state not in STATES:
+        raise ValueError(f"state must be one of {', '.join(map(repr, STATES))}, not {state!r}")
+    return state
 
 
 def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
     smallest = smallest or result
     hint = (f"; policy 'superneurons' needs {format_bytes(smallest.peak_bytes)} "
             f"({smallest.peak_bytes} bytes)" if smallest is not result else "")
+    if result.state == "device":
+        streamed = _build(smallest.graph, list(smallest.order), smallest.timeline, smallest.costs,
+                          Policy.SUPERNEURONS, smallest.strategy, budget, state="host")
+        if streamed.peak_bytes < smallest.peak_bytes:
+            hint += (f"; with the model's state on the host (sn.wrap(..., state='host'): "
+                     f"parameters, gradients and optimizer state in host memory) it needs "
+                     f"{format_bytes(streamed.peak_bytes)} ({streamed.peak_bytes} bytes)")
     raise ValueError(
         f"policy {str(result.policy)!r} needs at least {format_bytes(result.peak_bytes)} "
         f"({result.peak_bytes} bytes) for this model and input, more than the budget of "
@@ -218,17 +246,22 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
-         strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None) -> Plan:
+         strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None,
+         state="device") -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
     ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of
     the model's positional arguments; ``kwargs`` its keyword arguments. ``autocast``:
     the dtype of the torch.autocast the step will run under on ``device_type`` (torch.bfloat16 or
-    torch.float16), or None for none.
+    torch.float16), or None for none. ``state``: "device" (parameters, gradients and buffers
+    resident on the device) or "host" (kept in host memory and streamed, as sn.wrap(...,
+    state="host") runs the model).
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
+    parse_state(state)
     if autocast not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not "
                          f"{autocast!r}")
-    state = None if autocast is None else (device_type, autocast)
-    return plan_graph(capture(model, example_input, state, kwargs), policy, budget, strategy)
+    autocast_state = None if autocast is None else (device_type, autocast)
+    return plan_graph(capture(model, example_input, autocast_state, kwargs), policy, budget,
+                      strategy, state)

@@ -33,6 +33,7 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
         workspaces that shrink to fit, was added at steps inside whole-block replays.
 """
 
+import contextlib
 import operator
 import time
 import weakref
@@ -48,6 +49,7 @@ from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
 from .pool import TensorPool
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
+from .state import StateRef, StateTier
 
 
 # steps that read the allocator at every layer (Rule 4)
@@ -75,13 +77,16 @@ def allocator_counts(inputs: list) -> bool:
     return nbytes == 0 or allocated_bytes(inputs[0].device) >= nbytes
 
 
-def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None) -> int:
+def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None,
+                  state_on_device: bool = True) -> int:
     """Device memory the plan does not know of: optimizer state, the user's other tensors.
-    ``inputs``: the step's input tensors (the plan counts them)."""
+    ``inputs``: the step's input tensors (the plan counts them); model state counts where it
+    lives on the device."""
     parameters = graph.graph_module.parameters() if parameters is None else parameters
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
-    known = graph.param_bytes + graph.buffer_bytes + grads + \
-        sum(x.numel() * x.element_size() for x in inputs)
+    known = sum(x.numel() * x.element_size() for x in inputs)
+    if state_on_device:
+        known += graph.param_bytes + graph.buffer_bytes + sum(
+            p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
     return max(0, allocated_bytes(device) - known)
 
 
@@ -147,6 +152,13 @@ class Executor:
         self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until))
+        # model state in host memory, streamed per layer (state.py), where the plan says so
+        self.tier = StateTier(self.model, device, self.pool.mover) if plan.state == "host" \
+            else None
+        self.layer_state: dict = {}   # storage of a state copy the layer reads -> host tensor
+        self.state_views: dict = {}   # node whose value views a state copy -> host tensor
+        self.written_state: list = []  # (host, copy) of state the layer now running writes
+        self.saved_state: dict = {}   # backward step -> host tensors its StateRefs read
         self.step_id = 0
         self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}
@@ -259,7 +271,8 @@ class Executor:
         if self.device.type == "cuda" and self.reads_allocator is None:
             self.reads_allocator = allocator_counts(tensors)
         if self.device.type == "cuda" and self.reads_allocator:
-            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters)
+            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
+                                               state_on_device=self.tier is None)
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
@@ -267,6 +280,9 @@ class Executor:
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = self._state(node)
+        if self.tier is not None:
+            self.tier.begin_step(self.model)
+            self.state_views, self.saved_state = {}, {}
         with saved_tensors_hooks(self._pack, self._unpack):
             for position, layer_index in enumerate(self.plan.order):
                 layer = self.graph.layers[layer_index]
@@ -274,15 +290,22 @@ class Executor:
                 if segment is not None and segment.layers[0] == layer_index:
                     self.records[segment.index] = self._new_record(segment, env)
                 self.layer, self.segment, self.counter = layer, segment, 0
-                call_args, kwargs, inputs = self._load(layer.node, env)
+                call_args, kwargs, inputs = self._load(layer.node, env, trains=True)
+                if self.tier is not None and position + 1 < self.num_layers:
+                    self.tier.prefetch(self._hosts_of(
+                        self.graph.layers[self.plan.order[position + 1]], env))
                 try:
-                    out = self._call(layer, call_args, kwargs)
+                    out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
                     self.calibration_left = CALIBRATION_STEPS               # Rule 4
                     self.pool.make_room(position, forward=True, limit=0)
                     self.pending, self.counter = [], 0
-                    out = self._call(layer, call_args, kwargs)
+                    out = self._call(layer, call_args, kwargs, trains=True)
                 env[layer.node] = out
+                if self.tier is not None:
+                    for host, copy in self.written_state:      # state.py Rule 4
+                        self.tier.write_back(host, copy)
+                    self._note_state_views(layer.node, out)
                 if self.pending:
                     self._resolve(layer, position, inputs, out)
                 for node in self.free_after[position]:
@@ -290,6 +313,9 @@ class Executor:
                 self.pool.make_room(position, forward=True)
                 self._account(position)
         self.layer = self.segment = None
+        self.layer_state, self.state_views = {}, {}
+        if self.tier is not None and not torch.is_grad_enabled():
+            self.tier.end_forward()          # no backward will wait for written-back buffers
         for record in self.records.values():
             record.sealed = True
             if not record.alive:
@@ -299,26 +325,85 @@ class Executor:
             return pytree.tree_unflatten(list(out), self.graph.out_spec)
         return out
 
-    @staticmethod
-    def _load(node: fx.Node, env: dict):
+    def _load(self, node: fx.Node, env: dict, trains: bool = False):
+        """The layer's arguments from ``env``, and its tensor inputs (not model state). With
+        state on the host, model state comes as device copies (state.py Rule 1); ``trains``:
+        their gradients go to the parameters (a forward, not a replay)."""
         inputs = []
+        tier = self.tier
+        if tier is not None:
+            self.layer_state, self.written_state = {}, []
 
         def fetch(arg):
             obj = env[arg]
-            if arg.op != "get_attr" and isinstance(obj, torch.Tensor):
+            if not isinstance(obj, torch.Tensor):
+                return obj
+            if arg.op != "get_attr":
                 inputs.append(obj)
-            return obj
+                if tier is not None and arg in self.state_views:
+                    self.layer_state[obj.untyped_storage().data_ptr()] = self.state_views[arg]
+                return obj
+            if tier is None:
+                return obj
+            copy = tier.fetch(obj, trains)
+            self.layer_state[copy.untyped_storage().data_ptr()] = obj
+            if trains and arg in self.layer.state_writes:
+                self.written_state.append((obj, copy))
+            return copy
         return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
 
-    @staticmethod
-    def _call(layer, args, kwargs):
+    def _hosts_of(self, layer, env: dict) -> list:
+        """The host tensors of model state ``layer`` reads that may be fetched ahead: not state
+        some layer writes (running statistics are fetched when read, after the write before)."""
+        hosts = [env[node] for node in layer.state_reads
+                 if node in env and node not in self.mutable_state]
+        if layer.module is not None:
+            hosts += list(layer.module.parameters())
+        return [t for t in hosts if isinstance(t, torch.Tensor)]
+
+    def _note_state_views(self, node: fx.Node, out) -> None:
+        """An output that views a state copy (a transposed weight) is state for its readers."""
+        if isinstance(out, torch.Tensor) and self.layer_state:
+            host = self.layer_state.get(out.untyped_storage().data_ptr())
+            if host is not None:
+                self.state_views[node] = host
+
+    def _call(self, layer, args, kwargs, trains: bool = False):
         node = layer.node
         if node.op == "call_module":
+            if self.tier is not None:
+                with self._module_on_device(layer.module, trains):
+                    return layer.module(*args, **kwargs)
             return layer.module(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         self_obj, *rest = args
         return getattr(self_obj, node.target)(*rest, **kwargs)
+
+    @contextlib.contextmanager
+    def _module_on_device(self, module, trains: bool):
+        """A leaf module runs on device copies of its parameters and buffers (state.py Rule 1);
+        buffers it wrote go back to the host after a forward (Rule 4), never after a replay."""
+        tier, swapped = self.tier, []
+        try:
+            for owner in module.modules():
+                for kind in ("_parameters", "_buffers"):
+                    slots = getattr(owner, kind)
+                    for name, host in slots.items():
+                        if host is None:
+                            continue
+                        copy = tier.fetch(host, trains and kind == "_parameters")
+                        self.layer_state[copy.untyped_storage().data_ptr()] = host
+                        slots[name] = copy
+                        swapped.append((slots, name, host, copy, kind == "_buffers"))
+            yield
+        finally:
+            for slots, name, host, copy, buffer in swapped:
+                slots[name] = host
+                # every buffer goes back: a kernel may write one without counting a version
+                # (native_batch_norm's running statistics)
+                if trains and buffer:
+                    tier.write_back(host, copy)
 
     # -- saved tensors (Rule 2) ----------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
@@ -327,8 +412,14 @@ class Executor:
             return tensor
         key = (layer.index, self.counter)
         self.counter += 1
-        if tensor.untyped_storage().data_ptr() in self.param_ptrs:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self.param_ptrs:
             return tensor                                            # Rule 3
+        if self.layer_state and pointer in self.layer_state:       # state.py Rule 2
+            host = self.layer_state[pointer]
+            step = self.bwd(layer.index)
+            self.saved_state.setdefault(step, {})[id(host)] = host
+            return StateRef(self.tier, host, view_of(tensor), step)
         if tensor.device.type != self.device.type:
             return tensor     # a kernel's host-side scalars (attention's random seed and offset)
         if self.segment is not None:
@@ -348,6 +439,9 @@ class Executor:
             self._enter_backward_step(step)                                   # Rule 6
         if isinstance(handle, torch.Tensor):
             return handle
+        if isinstance(handle, StateRef):
+            self._enter_state_step(handle.step)
+            return handle.get()
         try:
             return handle.get()
         except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
@@ -363,6 +457,15 @@ class Executor:
                 "plan holds memory. The parameters are unchanged (the optimizer has not "
                 "stepped) but this step's gradients are partial: zero them, then lower the "
                 "budget or the batch") from error
+
+    def _enter_state_step(self, step: int) -> None:
+        """Backward reads saved state at ``step``: the copies of the step before go, and the
+        state the next step with saved state reads is fetched ahead (state.py Rule 2)."""
+        tier = self.tier
+        if tier.reading_step == step:
+            return
+        later = [s for s in self.saved_state if s > step]
+        tier.enter_backward_step(step, self.saved_state[min(later)].values() if later else ())
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:
@@ -446,7 +549,9 @@ class Executor:
             else:
                 env[node] = holder
         layers = [self.graph.layers[l] for l in segment.layers[:last + 1]]
-        modules = [l.module for l in layers if l.module is not None]
+        # with state on the host a replay writes only its own copies (state.py Rule 4)
+        modules = [] if self.tier is not None else \
+            [l.module for l in layers if l.module is not None]
         free_after = self.segment_free_after[segment.index]
         kind, enabled, dtype = record.autocast
         self.replaying = (record, wanted)
@@ -460,6 +565,8 @@ class Executor:
                     args, kwargs, _ = self._load(layer.node, env)
                     out = self._call(layer, args, kwargs)
                     env[layer.node] = out
+                    if self.tier is not None:
+                        self._note_state_views(layer.node, out)
                     outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
                     for tensor, value in zip(outputs, layer.outputs):
                         if ("value", value) in wanted:

@@ -16,7 +16,12 @@ Rule 2: when the budget holds the whole step with liveness alone, the model runs
         liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work.
-Rule 4: no grad (evaluation) runs the model untouched.
+Rule 4: no grad (evaluation) runs the model untouched, except with state on the host (Rule 6).
+Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
+        memory and streams them through the device layer by layer (state.py); the model is run
+        on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
+        are moved there. Capture sees the call as on the host, and the graph's device
+        arguments (an arange's device) name ``device`` instead.
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
@@ -39,8 +44,11 @@ from ..capture import capture
 from ..capture.entry import Arguments, flat_inputs
 from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
+from ..planner.plan import parse_state
 from ..units import format_bytes, parse_bytes
+from ..capture.export import retarget_devices
 from .executor import Executor, foreign_bytes
+from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
@@ -57,12 +65,22 @@ MAX_PLANS = 4
 
 
 class SuperNeuronsModule(nn.Module):
-    def __init__(self, model: nn.Module, policy, budget, strategy):
+    def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None):
         super().__init__()
         self.model = model
         self.policy = parse_policy(policy)
         self.strategy = parse_strategy(strategy)
         self.budget_bytes = parse_bytes(budget)
+        self.state = parse_state(state)
+        self.compute_device = None                                      # Rule 6
+        if self.state == "host":
+            self.compute_device = _compute_device(device)
+            check_state_tier(model)
+            to_host_memory(model, self.compute_device)
+        elif device is not None:
+            raise ValueError("device= is for state='host' (compute there, state in host "
+                             "memory); with the state on the device, move the model itself "
+                             "(model.to(device)) before wrapping it")
         self.max_plans = MAX_PLANS
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
@@ -160,16 +178,24 @@ class SuperNeuronsModule(nn.Module):
         self._retiring[:] = still          # the same list: the finalizer holds it
 
     def _device(self, tensors: list) -> torch.device:
-        """Where the step runs: where the model lives (an input may be a host-side scalar)."""
+        """Where the step runs: where the model lives (an input may be a host-side scalar), or
+        with state on the host the device chosen (Rule 6)."""
+        if self.compute_device is not None:
+            return self.compute_device
         for state in (*self.model.parameters(), *self.model.buffers()):
             return state.device
         return tensors[0].device if tensors else torch.device("cpu")
 
     def _make(self, args, kwargs, tensors: list, device, autocast):
+        if self.state == "host":                                        # Rule 6
+            args, kwargs = _on_meta((args, kwargs))
         graph = capture(self.model, Arguments(args), autocast, kwargs)
+        if self.state == "host" and device.type != "cpu":
+            retarget_devices(graph.graph_module, torch.device("cpu"), device)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
-            foreign = foreign_bytes(graph, tensors, device, self.model.parameters())
+            foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
+                                    state_on_device=self.state == "device")
         return self._plan(graph, device, foreign)
 
     def _plan(self, graph, device, foreign: int | None):
@@ -178,13 +204,17 @@ class SuperNeuronsModule(nn.Module):
         budget = self.budget_bytes
         if budget is not None and foreign is not None:
             budget = budget_left(budget, foreign, device)
+        host = self.state == "host"
         if budget is not None and self.policy in _MANAGED:
             try:
-                return plan_graph(graph, Policy.LIVENESS, budget, self.strategy), None  # Rule 2
+                liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state)
+                if not host:
+                    return liveness, None                                         # Rule 2
+                return liveness, Executor(liveness, device, budget, model=self.model)  # Rule 6
             except ValueError:
                 pass
-        plan = plan_graph(graph, self.policy, budget, self.strategy)     # Rule 3 raises here
-        if plan.policy not in _MANAGED:
+        plan = plan_graph(graph, self.policy, budget, self.strategy, self.state)  # Rule 3
+        if plan.policy not in _MANAGED and not host:
             return plan, None
         if self.budget_bytes is None:
             return plan, Executor(plan, device, plan.peak_bytes, count_foreign=False,
@@ -192,7 +222,9 @@ class SuperNeuronsModule(nn.Module):
         return plan, Executor(plan, device, self.budget_bytes, model=self.model)
 
     def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
+        if self.compute_device is not None:                             # Rule 6
+            args, kwargs = _moved_to((args, kwargs), self.compute_device)
+        elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         plan, executor = self.plan_for(*args, **kwargs)
         device = executor.device if executor is not None else \
@@ -243,7 +275,8 @@ class SuperNeuronsModule(nn.Module):
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
-                         executor.calibration_seconds)
+                         executor.calibration_seconds,
+                         executor.tier.moved_bytes if executor.tier is not None else 0)
 
 
 def reads_device_memory(device: torch.device) -> bool:
@@ -320,8 +353,40 @@ def _wrapper_keys(module, state_dict, prefix, local_metadata, strict, missing, u
         state_dict[prefix + "model." + key[len(prefix):]] = state_dict.pop(key)
 
 
-def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware"):
-    """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB")."""
+def _compute_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must name a device such as 'cuda' or 'cuda:1', not "
+                         f"{device!r}") from error
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _on_meta(tree):
+    """The call as capture sees it with state on the host: tensors on the meta device, which
+    capture takes for the model's own (host) device (Rule 6)."""
+    def meta(t):
+        return t.detach().to("meta").requires_grad_(t.requires_grad)
+    return pytree.tree_map_only(torch.Tensor, meta, tree)
+
+
+def _moved_to(tree, device: torch.device):
+    def move(t):
+        return t if t.device == device else t.to(device, non_blocking=True)
+    return pytree.tree_map_only(torch.Tensor, move, tree)
+
+
+def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",
+         state="device", device=None):
+    """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB").
+    ``state="host"`` keeps parameters, gradients, buffers and optimizer state in host memory and
+    runs the model on ``device`` (default: CUDA where there is one), streaming the state layer
+    by layer: models whose state alone exceeds the device. Build the optimizer over the model's
+    parameters as usual; it steps them in host memory."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
-    return SuperNeuronsModule(model, policy, budget, strategy)
+    return SuperNeuronsModule(model, policy, budget, strategy, state, device)

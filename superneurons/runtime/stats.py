@@ -19,6 +19,8 @@ class StepStats:
     # CUDA) and reading the allocator while calibrating (executor Rule 4)
     host_memory_seconds: float = 0.0
     calibration_seconds: float = 0.0
+    # with state on the host: bytes of parameters sent to the device and gradients sent back
+    state_moved_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,240 @@
+"""The state tier of the Unified Tensor Pool: model state in host memory, computed on the device.
+
+Rule 1: parameters and buffers stay the model's own tensors, in host memory (pinned in place on
+        CUDA, `tensor.data`), so the user's optimizer steps them there, state_dict returns them
+        and load_state_dict reaches the next step. A layer reads device copies, fetched one
+        layer ahead on the copy stream and dropped after the layer.
+Rule 2: what autograd saves of a copy (a convolution's weight) becomes a StateRef: the host
+        tensor, fetched again for the backward that reads it. Its version is checked there: a
+        parameter changed between forward and backward fails as plain PyTorch's backward does.
+Rule 3: a copy's gradient is summed on the device over the step's uses of its parameter, in the
+        order autograd delivers them (autograd's own input buffer sums so), then copied to host
+        memory on the copy stream as soon as the last use has delivered. When backward ends, the
+        host waits for the copies and sets .grad, or adds to it where a gradient is already
+        there (accumulation over micro-batches: AccumulateGrad adds in place). The gradient
+        never waits on the device for the rest of backward.
+Rule 4: a buffer a layer writes in place (running statistics) is copied back to the host after
+        the layer, in stream order; host reads are safe once backward has ended (Rule 3 waits).
+        A replay writes only its own copies.
+Rule 5: what the tier cannot make exact is refused before the first step: hooks on parameters
+        (autograd would call them on the copies' gradients, not the parameter's), sparse
+        gradients, create_graph (double backward through the copies).
+"""
+
+import torch
+from torch import nn
+
+from ..units import format_bytes
+from .handles import rebuild, storage_bytes, view_of
+
+
+class _Fetch(torch.autograd.Function):
+    """A parameter's device copy in autograd: its gradient goes to the tier (Rule 3). The copy is
+    passed in a box, so autograd takes it for this function's own output."""
+
+    @staticmethod
+    def forward(ctx, host, tier, box):
+        ctx.tier, ctx.host = tier, host
+        return box[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.tier.gradient(ctx.host, grad)
+        return None, None, None
+
+
+class StateRef:
+    """A saved copy of model state: fetched again in backward (Rule 2)."""
+
+    __slots__ = ("tier", "host", "view", "version", "step")
+
+    def __init__(self, tier, host: torch.Tensor, view, step: int):
+        self.tier, self.host, self.view, self.version = tier, host, view, host._version
+        self.step = step          # the backward step that reads it
+
+    def get(self) -> torch.Tensor:
+        # a parameter only: buffers are written by the forward itself after a layer saved
+        # them (state Rule 4), as plain PyTorch's kernels write them in place
+        if self.host.requires_grad and self.host._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a model parameter of shape {tuple(self.host.shape)} changed "
+                "between forward and backward (an optimizer step before backward?)")
+        return rebuild(self.tier.fetch_saved(self.host), self.view)
+
+
+def check_state_tier(model: nn.Module) -> None:
+    """Rule 5, before anything is moved."""
+    for name, parameter in model.named_parameters():
+        if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
+            raise ValueError(
+                f"parameter {name!r} has a hook: with state='host' its gradient is made on the "
+                "device copies and sent to the host by superneurons, so the hook would not see "
+                "it. Remove the hook, or keep the state on the device (state='device')")
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"{name or type(module).__name__} makes sparse gradients, which state='host' "
+                "does not stream: build it with sparse=False, or keep the state on the device")
+
+
+class StateTier:
+    def __init__(self, model: nn.Module, device: torch.device, mover):
+        self.model, self.device, self.mover = model, device, mover
+        self.cuda = device.type == "cuda"
+        self.ahead: dict = {}       # id(host tensor) -> (device bytes, event): fetched ahead
+        self.reading: dict = {}     # id(host tensor) -> device bytes of the backward step now
+        self.reading_step = None
+        self.uses: dict = {}        # id(parameter) -> its copies in the step's graph
+        self.arrived: dict = {}     # id(parameter) -> [gradients delivered, device sum]
+        self.copies: list = []      # (parameter, host gradient bytes, event, device gradient)
+        self.finishing = False
+        self.moved_bytes = 0
+        to_host_memory(model, device)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def begin_step(self, model: nn.Module) -> None:
+        """A new step: the model's tensors are read again (a user may have replaced one, as
+        load_state_dict(assign=True) does) and brought to host memory where they are not."""
+        to_host_memory(model, self.device)
+        self.ahead.clear()
+        self.uses.clear()
+        self.reading, self.reading_step = {}, None
+        self.moved_bytes = 0
+
+    def end_forward(self) -> None:
+        """A forward no backward follows (no grad): written-back buffers are waited for here."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def prefetch(self, hosts) -> None:
+        """Start copying the next layer's state (Rule 1)."""
+        for host in hosts:
+            if id(host) not in self.ahead:
+                self.ahead[id(host)] = self._start(host)
+
+    def _start(self, host: torch.Tensor):
+        source = storage_bytes(host)
+        self.moved_bytes += source.numel()
+        return self.mover.to_device(source)
+
+    def fetch_bytes(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of the storage behind ``host``: fetched ahead, or now."""
+        device_bytes = self.reading.get(id(host))
+        if device_bytes is not None:
+            return device_bytes
+        device_bytes, event = self.ahead.pop(id(host), None) or self._start(host)
+        self.mover.ready(device_bytes, event)
+        return device_bytes
+
+    def fetch_saved(self, host: torch.Tensor) -> torch.Tensor:
+        """Rule 2: saved state for the backward step now; its readers in that step share it."""
+        device_bytes = self.reading[id(host)] = self.fetch_bytes(host)
+        return device_bytes
+
+    def fetch(self, host: torch.Tensor, trains: bool) -> torch.Tensor:
+        """``host``'s device copy for a layer; ``trains``: autograd takes the copy's gradient
+        to the parameter (a forward, not a replay)."""
+        copy = rebuild(self.fetch_bytes(host), view_of(host))
+        if trains and host.requires_grad and torch.is_grad_enabled():
+            self.uses[id(host)] = self.uses.get(id(host), 0) + 1
+            return _Fetch.apply(host, self, (copy,))
+        return copy.requires_grad_(host.requires_grad and torch.is_grad_enabled())
+
+    def write_back(self, host: torch.Tensor, copy: torch.Tensor) -> None:
+        """Rule 4: in stream order, after the layer that wrote ``copy``."""
+        with torch.no_grad():
+            host.copy_(copy, non_blocking=self.cuda)
+
+    # -- backward --------------------------------------------------------------------------------
+    def enter_backward_step(self, step: int, hosts_ahead) -> None:
+        """A new backward step reads saved state: the last step's copies go, the state of the
+        next step that reads any is fetched ahead."""
+        self.reading, self.reading_step = {}, step
+        self.prefetch(hosts_ahead)
+
+    def gradient(self, host: torch.Tensor, grad: torch.Tensor) -> None:
+        """Rule 3: one use's gradient."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("backward(create_graph=True) is not supported with state='host' "
+                               "(the copies' gradients are sent to host memory): keep the state "
+                               "on the device for second-order gradients")
+        if grad.is_sparse:
+            raise RuntimeError("a sparse gradient reached a parameter kept on the host")
+        if not self.finishing:
+            self.finishing = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        key = id(host)
+        arrived = self.arrived.get(key)
+        if arrived is None:
+            arrived = self.arrived[key] = [0, None, host]
+        arrived[0] += 1
+        arrived[1] = grad if arrived[1] is None else arrived[1] + grad
+        if arrived[0] >= self.uses.get(key, 1):
+            self._send(self.arrived.pop(key))
+        self._drop_sent()
+
+    def _send(self, arrived) -> None:
+        _, grad, host = arrived
+        if host.grad is None:
+            target = torch.empty_like(host, pin_memory=self.cuda)
+        else:
+            target = torch.empty_like(host.grad, pin_memory=self.cuda)
+        event = self.mover.to_host(grad, target)
+        self.moved_bytes += grad.numel() * grad.element_size()
+        self.copies.append((host, target, event, grad))
+
+    def _drop_sent(self) -> None:
+        """Free the device gradients whose copies are done (mover Rule 1)."""
+        done = 0
+        for _, _, event, _ in self.copies:
+            if event is not None and not event.query():
+                break
+            done += 1
+        for k in range(done):
+            host, target, event, _ = self.copies[k]
+            self.copies[k] = (host, target, event, None)
+
+    def _finish(self) -> None:
+        """Rule 3, as backward ends: gradients every use did not deliver (a partial backward)
+        are sent too; then the host waits and sets or accumulates .grad."""
+        for arrived in list(self.arrived.values()):
+            self._send(arrived)
+        self.arrived.clear()
+        if self.cuda:
+            self.mover.d2h.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()    # buffers written back
+        with torch.no_grad():
+            for host, target, _, _ in self.copies:
+                if host.grad is None:
+                    host.grad = target
+                else:
+                    host.grad += target
+        self.copies = []
+        self.reading, self.reading_step = {}, None
+        self.finishing = False
+
+    def host_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes()
+                   for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def describe(self) -> str:
+        return f"state tier: {format_bytes(self.host_bytes())} of model state in host memory"
+
+
+def to_host_memory(model: nn.Module, device: torch.device) -> None:
+    """Rule 1: the model's tensors in host memory, in place, pinned where copies to ``device``
+    run asynchronously (CUDA)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        from .host import _pin_with_threads
+        _pin_with_threads()              # host Rule 6: pinning at the link's pace
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            data = tensor.data
+            if data.device.type != "cpu":
+                data = data.cpu()
+            if cuda and not data.is_pinned():
+                data = data.pin_memory()
+            if data is not tensor.data:
+                tensor.data = data
