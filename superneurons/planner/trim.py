@@ -88,12 +88,20 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
 
 def bytes_to_move(keep_plan, budget: int) -> int:
     """What the Tensor Cache must send to the host when ``keep_plan`` (every checkpoint kept)
-    runs within ``budget``: every rise of its live bytes above the budget."""
-    limit, moved, over = _SLACK * budget, 0, 0
+    runs within ``budget``: every rise of its live bytes above the highest they reached since
+    they last fitted. Within such a stretch what went to the host waits there until backward
+    reads it, so a fall and a rise below that mark (a replay's tensors made and freed while
+    checkpoints wait on the host) move nothing new; counting those rises too made a 10,001-layer
+    ResNet's whole-block plan look as costly as its floor plan, which holds 100 GiB on the host
+    (planner_costs_deep_state.json)."""
+    limit, moved, high = _SLACK * budget, 0, 0
     for step in keep_plan.steps:
         now = max(0, step.live_bytes - limit)
-        moved += max(0, now - over)
-        over = now
+        if now == 0:
+            high = 0
+        elif now > high:
+            moved += now - high
+            high = now
     return int(moved)
 
 

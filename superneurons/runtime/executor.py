@@ -33,6 +33,7 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
         workspaces that shrink to fit, was added at steps inside whole-block replays.
 """
 
+import bisect
 import contextlib
 import operator
 import time
@@ -159,6 +160,7 @@ class Executor:
         self.state_views: dict = {}   # node whose value views a state copy -> host tensor
         self.written_state: list = []  # (host, copy) of state the layer now running writes
         self.saved_state: dict = {}   # backward step -> host tensors its StateRefs read
+        self.saved_steps = None       # its steps in order, once backward begins
         self.step_id = 0
         self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}
@@ -282,7 +284,7 @@ class Executor:
             env[node] = self._state(node)
         if self.tier is not None:
             self.tier.begin_step(self.model)
-            self.state_views, self.saved_state = {}, {}
+            self.state_views, self.saved_state, self.saved_steps = {}, {}, None
         with saved_tensors_hooks(self._pack, self._unpack):
             for position, layer_index in enumerate(self.plan.order):
                 layer = self.graph.layers[layer_index]
@@ -464,8 +466,12 @@ class Executor:
         tier = self.tier
         if tier.reading_step == step:
             return
-        later = [s for s in self.saved_state if s > step]
-        tier.enter_backward_step(step, self.saved_state[min(later)].values() if later else ())
+        if self.saved_steps is None:         # backward steps with saved state, in order
+            self.saved_steps = sorted(self.saved_state)
+        at = bisect.bisect_right(self.saved_steps, step)
+        ahead = self.saved_state[self.saved_steps[at]].values() \
+            if at < len(self.saved_steps) else ()
+        tier.enter_backward_step(step, ahead)
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:

@@ -88,6 +88,7 @@ class StateTier:
         self.uses: dict = {}        # id(parameter) -> its copies in the step's graph
         self.arrived: dict = {}     # id(parameter) -> [gradients delivered, device sum]
         self.copies: list = []      # (parameter, host gradient bytes, event, device gradient)
+        self.sent = 0               # copies before this one have freed their device gradient
         self.finishing = False
         self.moved_bytes = 0
         to_host_memory(model, device)
@@ -185,15 +186,15 @@ class StateTier:
         self.copies.append((host, target, event, grad))
 
     def _drop_sent(self) -> None:
-        """Free the device gradients whose copies are done (mover Rule 1)."""
-        done = 0
-        for _, _, event, _ in self.copies:
+        """Free the device gradients whose copies are done (mover Rule 1), in the order they
+        were sent (one stream): each copy is asked once it is the oldest still waiting."""
+        copies = self.copies
+        while self.sent < len(copies):
+            host, target, event, _ = copies[self.sent]
             if event is not None and not event.query():
                 break
-            done += 1
-        for k in range(done):
-            host, target, event, _ = self.copies[k]
-            self.copies[k] = (host, target, event, None)
+            copies[self.sent] = (host, target, event, None)
+            self.sent += 1
 
     def _finish(self) -> None:
         """Rule 3, as backward ends: gradients every use did not deliver (a partial backward)
@@ -210,7 +211,7 @@ class StateTier:
                     host.grad = target
                 else:
                     host.grad += target
-        self.copies = []
+        self.copies, self.sent = [], 0
         self.reading, self.reading_step = {}, None
         self.finishing = False
 
