@@ -298,12 +298,12 @@ def main():
                         metavar=("HIDDEN", "LAYERS", "INTERMEDIATE", "HEADS", "KV_HEADS", "VOCAB",
                                  "SEQ"))
     parser.add_argument("--timeout", type=float, default=540)
+    parser.add_argument("--models", nargs="*", default=["resnet", "hf_llama", "hf_gpt2"])
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import environment, write
     if args.kind == "exact":
-        rows = [_in_child(["exact", name], args.timeout) for name in ("resnet", "hf_llama",
-                                                                     "hf_gpt2")]
+        rows = [_in_child(["exact", name], args.timeout) for name in args.models]
     elif args.kind == "deep":
         rows = [_in_child(["deep", args.n3, args.batch], args.timeout)]
     else:
