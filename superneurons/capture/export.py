@@ -9,11 +9,14 @@ module it came from (nn_module_stack), which names the layers.
 
 Rule 1: the graph reads parameters and buffers with get_attr on the user's own tensors (the same
         objects, so the optimizer's updates and load_state_dict reach the next step), never copies.
+Rule 3: with the model's state in host memory and the step on a device (state="host"), export
+        sees the state as if on that device (fake tensors), so the graph is the device's.
 Rule 2: what export cannot represent exactly is refused before a step runs: module hooks (export
         inlines them once, so a hook's Python would not run per step), data-dependent control
         flow, custom objects, and graphs that return mutated inputs.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +63,11 @@ def module_path(node: fx.Node) -> str:
     return path.split("@")[0]
 
 
-def _fake_like(tensors_on, example):
+def _fake_like(tensors_on, example, mode=None):
     """Export's example: real tensors pass as they are; a meta tensor stands for the device the
     model lives on (a plan made for any device), as a fake tensor, so nothing is allocated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(leaf):
         if not isinstance(leaf, torch.Tensor) or leaf.device.type != "meta" or \
@@ -77,8 +80,10 @@ def _fake_like(tensors_on, example):
     return pytree.tree_map(fake, example)
 
 
-def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
-    """Export ``model`` called with ``args`` and ``kwargs``; a ValueError says what to change."""
+def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None) -> ExportedGraph:
+    """Export ``model`` called with ``args`` and ``kwargs``; a ValueError says what to change.
+    ``device``: where the step runs when the model's state lives elsewhere (state="host"): the
+    model is exported as if its state were there (Rule 3)."""
     hooks = hooks_of(model)
     if hooks:
         raise ValueError(
@@ -89,10 +94,14 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
             "weight_norm and spectral_norm work by hooks: use torch.nn.utils.parametrizations' "
             "instead.)")
     state = next(iter(model.parameters()), None)
-    device = state.device if state is not None else torch.device("cpu")
-    args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)))
+    if device is None:
+        device = state.device if state is not None else torch.device("cpu")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
     try:
-        program = torch.export.export(model, args, kwargs, strict=False)
+        with _state_on(model, device, mode):
+            program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
         if "data-dependent" in str(error) or "data dependent" in str(error):
@@ -105,6 +114,32 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict) -> ExportedGraph:
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
             "cannot capture it: file an issue with the model.") from error
     return _with_model_state(program, model)
+
+
+@contextlib.contextmanager
+def _state_on(model: nn.Module, device: torch.device, mode):
+    """Rule 3: the model's parameters and buffers as fake tensors on ``device`` while export
+    runs its Python, where they live elsewhere. Code that asks where a tensor is (HF's
+    attention masks: materialized on the CPU, causal flags on CUDA) then takes the branch the
+    step will run; exported as it sits on the host, Llama's step on CUDA differed from plain
+    PyTorch's (benchmarks/results/state_tier_exact_export_on_host.json)."""
+    state = {**dict(model.named_parameters(remove_duplicate=False)),
+             **dict(model.named_buffers(remove_duplicate=False))}
+    if all(t.device == device for t in state.values()):
+        yield
+        return
+    from torch.nn.utils.stateless import _reparametrize_module
+    fakes, made = {}, {}
+    with mode:
+        for name, tensor in state.items():
+            if id(tensor) not in made:       # tied weights stay one tensor
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                           device=device)
+                made[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) \
+                    if isinstance(tensor, nn.Parameter) else fake
+            fakes[name] = made[id(tensor)]
+    with _reparametrize_module(model, fakes, tie_weights=True):
+        yield
 
 
 def _with_model_state(program, model: nn.Module) -> ExportedGraph:
@@ -150,22 +185,6 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
     call_spec = program.call_spec
     return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
-
-
-def retarget_devices(gm: fx.GraphModule, source: torch.device, target: torch.device) -> None:
-    """Every device argument naming ``source`` names ``target`` instead, in regions too: a
-    graph exported with the model's state on the host (an arange on the inputs' device) that
-    runs on the device."""
-    def swap(arg):
-        return target if isinstance(arg, torch.device) and arg.type == source.type else arg
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = pytree.tree_map(swap, node.args)
-            node.kwargs = pytree.tree_map(swap, node.kwargs)
-        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None),
-                                                  fx.GraphModule):
-            retarget_devices(getattr(gm, node.target), source, target)
-    gm.recompile()
 
 
 def _read_state_written_in_place(graph: fx.Graph) -> None:

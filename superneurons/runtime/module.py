@@ -20,8 +20,7 @@ Rule 4: no grad (evaluation) runs the model untouched, except with state on the 
 Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
         memory and streams them through the device layer by layer (state.py); the model is run
         on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
-        are moved there. Capture sees the call as on the host, and the graph's device
-        arguments (an arange's device) name ``device`` instead.
+        are moved there. Capture sees the model as on ``device`` (export.py Rule 3).
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
@@ -46,7 +45,6 @@ from ..capture.autocast import autocast_state
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import parse_state
 from ..units import format_bytes, parse_bytes
-from ..capture.export import retarget_devices
 from .executor import Executor, foreign_bytes
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
@@ -189,9 +187,8 @@ class SuperNeuronsModule(nn.Module):
     def _make(self, args, kwargs, tensors: list, device, autocast):
         if self.state == "host":                                        # Rule 6
             args, kwargs = _on_meta((args, kwargs))
-        graph = capture(self.model, Arguments(args), autocast, kwargs)
-        if self.state == "host" and device.type != "cpu":
-            retarget_devices(graph.graph_module, torch.device("cpu"), device)
+        graph = capture(self.model, Arguments(args), autocast, kwargs,
+                        device=device if self.state == "host" else None)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
