@@ -77,13 +77,19 @@ def _train(build, optimizer_name: str, state: str, autocast: bool):
     torch.manual_seed(0)
     model, args, kwargs, loss_fn = build()
     model.train()
-    if state == "device":
+    host_step = state == "device, optimizer on the host"
+    if state.startswith("device"):
+        # the reference for the optimizer on the host: plain PyTorch on the GPU, its optimizer
+        # over host copies (as torchao's CPUOffloadOptimizer runs it)
+        masters = [p.detach().clone().requires_grad_() for p in model.parameters()] \
+            if host_step else None
         model = model.cuda()
         run = model
     else:
         run = sn.wrap(model, policy="superneurons", budget=None, state="host", device="cuda")
-    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                 if optimizer_name == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    stepped = masters if host_step else list(model.parameters())
+    optimizer = (torch.optim.SGD(stepped, lr=0.1, momentum=0.9)
+                 if optimizer_name == "sgd" else torch.optim.AdamW(stepped, lr=1e-3))
     losses = []
     for step in range(STEPS):
         torch.manual_seed(100 + step)
@@ -93,7 +99,16 @@ def _train(build, optimizer_name: str, state: str, autocast: bool):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(run(*a, **k))
         loss.backward()
+        if host_step:
+            for master, p in zip(masters, model.parameters()):
+                master.grad = None if p.grad is None else p.grad.cpu()
+                p.grad = None
         optimizer.step()
+        if host_step:
+            with torch.no_grad():
+                for master, p in zip(masters, model.parameters()):
+                    p.copy_(master)
+                    p.grad = master.grad.cuda() if master.grad is not None else None
         losses.append(loss.detach().float().cpu())
     state_of = {"params": {n: p.detach().cpu() for n, p in model.named_parameters()},
                 "grads": {n: p.grad.cpu() for n, p in model.named_parameters()
@@ -126,11 +141,16 @@ def exact_case(name: str) -> dict:
         plain = _train(build, optimizer, "device", autocast)
         control = _train(build, optimizer, "device", autocast)
         host = _train(build, optimizer, "host", autocast)
+        host_step = _train(build, optimizer, "device, optimizer on the host", autocast)
         tag = "bf16" if autocast else "fp32"
         row[tag] = {
             "losses_equal": all(bool((a == b).all()) for a, b in zip(plain[0], host[0])),
             "max_diff": _max_diff(plain[1], host[1]),
             "control_max_diff": _max_diff(plain[1], control[1]),
+            # against plain PyTorch on the GPU whose optimizer steps host copies
+            "losses_equal_optimizer_on_host": all(bool((a == b).all())
+                                                  for a, b in zip(host_step[0], host[0])),
+            "max_diff_optimizer_on_host": _max_diff(host_step[1], host[1]),
             "losses": [float(x) for x in host[0]], "stats": host[2]}
     return row
 
