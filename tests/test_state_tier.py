@@ -1,0 +1,149 @@
+"""Model state in host memory (sn.wrap(..., state="host")): the same training as plain PyTorch,
+the model's own tensors, and what cannot be made exact refused. On the CPU the "device copies"
+are copies in host memory, so every path of the tier runs (fetch, saved-state references,
+gradients summed per use and set or accumulated, buffers written back)."""
+
+import pytest
+import torch
+from torch import nn
+
+import superneurons as sn
+from matrix import compare
+from today_constructs import cases as construct_cases
+from today_models import cases as model_cases
+
+
+def _resnet():
+    torch.manual_seed(0)
+    return sn.models.resnet(blocks=(1, 1, 2, 1), num_classes=10)
+
+
+def _batch(step=0):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def _train(model, run, steps=3, micro=1):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for k in range(micro):               # micro > 1: gradients accumulate over calls
+            x, y = _batch(10 * step + k)
+            loss = nn.functional.cross_entropy(run(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+        optimizer.step()
+    return losses, optimizer
+
+
+def _same(plain, other) -> None:
+    for (key, a), (_, b) in zip(plain.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), key
+    for (key, a), (_, b) in zip(plain.named_parameters(), other.named_parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or
+                                                          torch.equal(a.grad, b.grad)), key
+
+
+@pytest.mark.parametrize("policy", ["liveness", "offload", "recompute", "superneurons"])
+def test_the_zoo_trains_as_plain_pytorch_with_its_state_on_the_host(policy):
+    plain = _resnet()
+    expected, plain_optimizer = _train(plain, plain)
+    model = _resnet()
+    wrapped = sn.wrap(model, policy=policy, state="host", device="cpu")
+    got, optimizer = _train(model, wrapped)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    _same(plain, model)
+    for a, b in zip(plain_optimizer.state.values(), optimizer.state.values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    assert wrapped.stats.state_moved_bytes > 0
+
+
+def test_gradients_accumulate_over_micro_batches_as_autograd_adds_them():
+    plain = _resnet()
+    expected, _ = _train(plain, plain, steps=2, micro=2)
+    model = _resnet()
+    got, _ = _train(model, sn.wrap(model, policy="superneurons", state="host", device="cpu"),
+                    steps=2, micro=2)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    _same(plain, model)
+
+
+def test_the_model_keeps_its_own_tensors_and_keys():
+    model = _resnet()
+    weight = model.stem[0].weight
+    wrapped = sn.wrap(model, state="host", device="cpu")
+    _train(model, wrapped, steps=1)
+    assert model.stem[0].weight is weight and weight.grad is not None
+    state = wrapped.state_dict()
+    assert list(state) == list(model.state_dict())
+    fresh = _resnet()
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                   model.state_dict().values()))
+
+
+def test_evaluation_without_grad_runs_on_the_device_copies():
+    plain = _resnet().eval()
+    model = _resnet().eval()
+    wrapped = sn.wrap(model, state="host", device="cpu")
+    x, _ = _batch()
+    with torch.no_grad():
+        assert torch.equal(plain(x), wrapped(x))
+
+
+def test_a_parameter_changed_between_forward_and_backward_fails_as_in_plain_pytorch():
+    model = _resnet()
+    wrapped = sn.wrap(model, policy="liveness", state="host", device="cpu")
+    x, y = _batch()
+    loss = nn.functional.cross_entropy(wrapped(x), y)
+    with torch.no_grad():
+        model.head[1].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "c_shared_twice", "c_shared_batchnorm",
+                                  "c_spectral_norm", "c_no_grad_branch", "c_autocast_bf16_region",
+                                  "c_kwargs_dict", "c_rand_like"])
+def test_models_nobody_here_wrote_train_exactly_with_their_state_on_the_host(name):
+    """Tied embeddings (GPT-2: one parameter read by two layers), shared modules, state written
+    in place (spectral norm, BatchNorm called twice), regions, keyword calls, randomness."""
+    case = (model_cases() | construct_cases())[name]
+    for policy in ("recompute", "superneurons"):
+        assert compare(case, policy, state="host").status == "exact"
+
+
+def test_what_the_tier_cannot_make_exact_is_refused():
+    model = _resnet()
+    model.head[1].weight.register_hook(lambda grad: grad)
+    with pytest.raises(ValueError, match="has a hook"):
+        sn.wrap(model, state="host", device="cpu")
+    with pytest.raises(ValueError, match="sparse"):
+        sn.wrap(nn.Embedding(10, 4, sparse=True), state="host", device="cpu")
+    with pytest.raises(ValueError, match="state must be"):
+        sn.wrap(_resnet(), state="disk")
+    with pytest.raises(ValueError, match="state='host'"):
+        sn.wrap(_resnet(), device="cpu")
+    model = _resnet()
+    wrapped = sn.wrap(model, state="host", device="cpu")
+    x, y = _batch()
+    loss = nn.functional.cross_entropy(wrapped(x), y)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+
+
+def test_the_plan_streams_state_and_says_what_it_moves():
+    model = sn.models.resnet(blocks=(1, 1, 6, 1))
+    on_device = sn.plan(model, (2, 3, 64, 64))
+    on_host = sn.plan(model, (2, 3, 64, 64), state="host")
+    assert on_host.resident_bytes == 0 and on_device.resident_bytes > 0
+    assert on_host.peak_bytes < on_device.peak_bytes
+    # forward copies of everything, the trained parameters again in backward, their gradients
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert on_host.state_bytes_moved >= 3 * params
+    budget = on_host.peak_bytes
+    assert on_host.bytes_to_move(budget) >= on_host.state_bytes_moved
+    assert "model state on the host" in on_host.explain()
+    with pytest.raises(ValueError, match="state on the host .*needs"):
+        sn.plan(model, (2, 3, 64, 64), budget=on_host.peak_bytes)
