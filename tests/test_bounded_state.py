@@ -218,7 +218,7 @@ class FakeDevice:
         monkeypatch.setattr(module, "reads_device_memory", lambda device: True)
         monkeypatch.setattr(module, "foreign_bytes", self.read)
 
-    def read(self, graph, tensors, device, parameters) -> int:
+    def read(self, graph, tensors, device, parameters, state_on_device=True) -> int:
         self.calls += 1
         return self.foreign
 

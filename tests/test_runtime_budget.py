@@ -112,13 +112,13 @@ def test_a_layer_retried_after_running_out_of_memory_midway_completes_the_step(m
     calls = {"n": 0}
     real_call = Executor._call
 
-    def flaky(layer, args, kwargs):
+    def flaky(self, layer, args, kwargs, trains=False):
         calls["n"] += 1
         if calls["n"] == 2:                       # stem.1, a BatchNorm in a segment
-            real_call(layer, args, kwargs)        # runs (and saves), then "runs out"
+            real_call(self, layer, args, kwargs, trains)  # runs (and saves), then "runs out"
             raise torch.OutOfMemoryError("simulated")
-        return real_call(layer, args, kwargs)
-    monkeypatch.setattr(Executor, "_call", staticmethod(flaky))
+        return real_call(self, layer, args, kwargs, trains)
+    monkeypatch.setattr(Executor, "_call", flaky)
     model = small_resnet()
     wrapped = sn.wrap(model, policy="superneurons")
     F.nll_loss(wrapped(X), Y).backward()
@@ -132,12 +132,12 @@ def test_a_layer_retried_after_its_allocation_failed_trains_exactly(monkeypatch)
     calls = {"n": 0}
     real_call = Executor._call
 
-    def flaky(layer, args, kwargs):
+    def flaky(self, layer, args, kwargs, trains=False):
         calls["n"] += 1
         if calls["n"] in (2, 9):                  # stem.1 (BatchNorm) and a later layer
             raise torch.OutOfMemoryError("simulated")
-        return real_call(layer, args, kwargs)
-    monkeypatch.setattr(Executor, "_call", staticmethod(flaky))
+        return real_call(self, layer, args, kwargs, trains)
+    monkeypatch.setattr(Executor, "_call", flaky)
     wrapped = assert_same_training(small_resnet(), X, Y, steps=2, policy="superneurons")
     assert calls["n"] > 9 and wrapped.stats.recomputed_layers > 0
 
@@ -262,7 +262,7 @@ def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
     low = sn.plan(net(), x, policy="superneurons").peak_bytes
     high = sn.plan(net(), x, policy="recompute").peak_bytes
     wrapped = assert_same_training(net(), x, y, steps=2, policy="superneurons",
-                                   budget=low + (high - low) // 4)
+                                   budget=low + 2 * (high - low) // 5)
     plan, _ = wrapped.plan_for(x)
     assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
     assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
