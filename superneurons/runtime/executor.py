@@ -33,8 +33,6 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
         workspaces that shrink to fit, was added at steps inside whole-block replays.
 """
 
-import bisect
-import contextlib
 import operator
 import time
 import weakref
@@ -156,11 +154,6 @@ class Executor:
         # model state in host memory, streamed per layer (state.py), where the plan says so
         self.tier = StateTier(self.model, device, self.pool.mover) if plan.state == "host" \
             else None
-        self.layer_state: dict = {}   # storage of a state copy the layer reads -> host tensor
-        self.state_views: dict = {}   # node whose value views a state copy -> host tensor
-        self.written_state: list = []  # (host, copy) of state the layer now running writes
-        self.saved_state: dict = {}   # backward step -> host tensors its StateRefs read
-        self.saved_steps = None       # its steps in order, once backward begins
         self.step_id = 0
         self.layer = self.segment = self.replaying = self.backward_step = None
         self.records: dict = {}
@@ -283,8 +276,7 @@ class Executor:
         for node in self.attrs:
             env[node] = self._state(node)
         if self.tier is not None:
-            self.tier.begin_step(self.model)
-            self.state_views, self.saved_state, self.saved_steps = {}, {}, None
+            self.tier.begin_step()
         with saved_tensors_hooks(self._pack, self._unpack):
             for position, layer_index in enumerate(self.plan.order):
                 layer = self.graph.layers[layer_index]
@@ -294,8 +286,8 @@ class Executor:
                 self.layer, self.segment, self.counter = layer, segment, 0
                 call_args, kwargs, inputs = self._load(layer.node, env, trains=True)
                 if self.tier is not None and position + 1 < self.num_layers:
-                    self.tier.prefetch(self._hosts_of(
-                        self.graph.layers[self.plan.order[position + 1]], env))
+                    self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
+                                             env, self.mutable_state)
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
@@ -305,9 +297,7 @@ class Executor:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 env[layer.node] = out
                 if self.tier is not None:
-                    for host, copy in self.written_state:      # state.py Rule 4
-                        self.tier.write_back(host, copy)
-                    self._note_state_views(layer.node, out)
+                    self.tier.end_layer(layer.node, out)
                 if self.pending:
                     self._resolve(layer, position, inputs, out)
                 for node in self.free_after[position]:
@@ -315,9 +305,8 @@ class Executor:
                 self.pool.make_room(position, forward=True)
                 self._account(position)
         self.layer = self.segment = None
-        self.layer_state, self.state_views = {}, {}
-        if self.tier is not None and not torch.is_grad_enabled():
-            self.tier.end_forward()          # no backward will wait for written-back buffers
+        if self.tier is not None:
+            self.tier.end_forward()
         for record in self.records.values():
             record.sealed = True
             if not record.alive:
@@ -334,7 +323,7 @@ class Executor:
         inputs = []
         tier = self.tier
         if tier is not None:
-            self.layer_state, self.written_state = {}, []
+            tier.begin_layer()
 
         def fetch(arg):
             obj = env[arg]
@@ -342,70 +331,25 @@ class Executor:
                 return obj
             if arg.op != "get_attr":
                 inputs.append(obj)
-                if tier is not None and arg in self.state_views:
-                    self.layer_state[obj.untyped_storage().data_ptr()] = self.state_views[arg]
+                if tier is not None:
+                    tier.read_input(arg, obj)
                 return obj
             if tier is None:
                 return obj
-            copy = tier.fetch(obj, trains)
-            self.layer_state[copy.untyped_storage().data_ptr()] = obj
-            if trains and arg in self.layer.state_writes:
-                self.written_state.append((obj, copy))
-            return copy
+            return tier.fetch_for_layer(obj, trains, trains and arg in self.layer.state_writes)
         return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
-
-    def _hosts_of(self, layer, env: dict) -> list:
-        """The host tensors of model state ``layer`` reads that may be fetched ahead: not state
-        some layer writes (running statistics are fetched when read, after the write before)."""
-        hosts = [env[node] for node in layer.state_reads
-                 if node in env and node not in self.mutable_state]
-        if layer.module is not None:
-            hosts += list(layer.module.parameters())
-        return [t for t in hosts if isinstance(t, torch.Tensor)]
-
-    def _note_state_views(self, node: fx.Node, out) -> None:
-        """An output that views a state copy (a transposed weight) is state for its readers."""
-        if isinstance(out, torch.Tensor) and self.layer_state:
-            host = self.layer_state.get(out.untyped_storage().data_ptr())
-            if host is not None:
-                self.state_views[node] = host
 
     def _call(self, layer, args, kwargs, trains: bool = False):
         node = layer.node
         if node.op == "call_module":
             if self.tier is not None:
-                with self._module_on_device(layer.module, trains):
+                with self.tier.module_on_device(layer.module, trains):
                     return layer.module(*args, **kwargs)
             return layer.module(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         self_obj, *rest = args
         return getattr(self_obj, node.target)(*rest, **kwargs)
-
-    @contextlib.contextmanager
-    def _module_on_device(self, module, trains: bool):
-        """A leaf module runs on device copies of its parameters and buffers (state.py Rule 1);
-        buffers it wrote go back to the host after a forward (Rule 4), never after a replay."""
-        tier, swapped = self.tier, []
-        try:
-            for owner in module.modules():
-                for kind in ("_parameters", "_buffers"):
-                    slots = getattr(owner, kind)
-                    for name, host in slots.items():
-                        if host is None:
-                            continue
-                        copy = tier.fetch(host, trains and kind == "_parameters")
-                        self.layer_state[copy.untyped_storage().data_ptr()] = host
-                        slots[name] = copy
-                        swapped.append((slots, name, host, copy, kind == "_buffers"))
-            yield
-        finally:
-            for slots, name, host, copy, buffer in swapped:
-                slots[name] = host
-                # every buffer goes back: a kernel may write one without counting a version
-                # (native_batch_norm's running statistics)
-                if trains and buffer:
-                    tier.write_back(host, copy)
 
     # -- saved tensors (Rule 2) ----------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
@@ -417,11 +361,8 @@ class Executor:
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.param_ptrs:
             return tensor                                            # Rule 3
-        if self.layer_state and pointer in self.layer_state:       # state.py Rule 2
-            host = self.layer_state[pointer]
-            step = self.bwd(layer.index)
-            self.saved_state.setdefault(step, {})[id(host)] = host
-            return StateRef(self.tier, host, view_of(tensor), step)
+        if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
+            return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
         if tensor.device.type != self.device.type:
             return tensor     # a kernel's host-side scalars (attention's random seed and offset)
         if self.segment is not None:
@@ -442,7 +383,6 @@ class Executor:
         if isinstance(handle, torch.Tensor):
             return handle
         if isinstance(handle, StateRef):
-            self._enter_state_step(handle.step)
             return handle.get()
         try:
             return handle.get()
@@ -459,19 +399,6 @@ class Executor:
                 "plan holds memory. The parameters are unchanged (the optimizer has not "
                 "stepped) but this step's gradients are partial: zero them, then lower the "
                 "budget or the batch") from error
-
-    def _enter_state_step(self, step: int) -> None:
-        """Backward reads saved state at ``step``: the copies of the step before go, and the
-        state the next step with saved state reads is fetched ahead (state.py Rule 2)."""
-        tier = self.tier
-        if tier.reading_step == step:
-            return
-        if self.saved_steps is None:         # backward steps with saved state, in order
-            self.saved_steps = sorted(self.saved_state)
-        at = bisect.bisect_right(self.saved_steps, step)
-        ahead = self.saved_state[self.saved_steps[at]].values() \
-            if at < len(self.saved_steps) else ()
-        tier.enter_backward_step(step, ahead)
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:
@@ -572,7 +499,7 @@ class Executor:
                     out = self._call(layer, args, kwargs)
                     env[layer.node] = out
                     if self.tier is not None:
-                        self._note_state_views(layer.node, out)
+                        self.tier.end_layer(layer.node, out)
                     outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
                     for tensor, value in zip(outputs, layer.outputs):
                         if ("value", value) in wanted:

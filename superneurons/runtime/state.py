@@ -21,10 +21,12 @@ Rule 5: what the tier cannot make exact is refused before the first step: hooks 
         gradients, create_graph (double backward through the copies).
 """
 
+import bisect
+import contextlib
+
 import torch
 from torch import nn
 
-from ..units import format_bytes
 from .handles import rebuild, storage_bytes, view_of
 
 
@@ -53,6 +55,7 @@ class StateRef:
         self.step = step          # the backward step that reads it
 
     def get(self) -> torch.Tensor:
+        self.tier.enter_backward_step(self.step)
         # a parameter only: buffers are written by the forward itself after a layer saved
         # them (state Rule 4), as plain PyTorch's kernels write them in place
         if self.host.requires_grad and self.host._version != self.version:
@@ -83,6 +86,13 @@ class StateTier:
         self.model, self.device, self.mover = model, device, mover
         self.cuda = device.type == "cuda"
         self.ahead: dict = {}       # id(host tensor) -> (device bytes, event): fetched ahead
+        # forward: what the layer running reads and writes, and values that view state
+        self.layer_reads: dict = {}  # storage of a copy it reads -> host tensor
+        self.written: list = []      # (host, copy) of state it writes in place
+        self.views: dict = {}        # fx node whose value views a copy -> host tensor
+        # backward
+        self.saved_at: dict = {}    # backward step -> {id(host): host} its StateRefs read
+        self.saved_steps = None     # those steps in order, once backward begins
         self.reading: dict = {}     # id(host tensor) -> device bytes of the backward step now
         self.reading_step = None
         self.uses: dict = {}        # id(parameter) -> its copies in the step's graph
@@ -91,22 +101,84 @@ class StateTier:
         self.sent = 0               # copies before this one have freed their device gradient
         self.finishing = False
         self.moved_bytes = 0
-        to_host_memory(model, device)
 
     # -- forward ---------------------------------------------------------------------------------
-    def begin_step(self, model: nn.Module) -> None:
+    def begin_step(self) -> None:
         """A new step: the model's tensors are read again (a user may have replaced one, as
         load_state_dict(assign=True) does) and brought to host memory where they are not."""
-        to_host_memory(model, self.device)
+        to_host_memory(self.model, self.device)
         self.ahead.clear()
         self.uses.clear()
+        self.views, self.saved_at, self.saved_steps = {}, {}, None
         self.reading, self.reading_step = {}, None
         self.moved_bytes = 0
 
     def end_forward(self) -> None:
-        """A forward no backward follows (no grad): written-back buffers are waited for here."""
-        if self.cuda:
+        """Views noted in forward are not read again (replays note their own); a forward that
+        no backward follows (no grad) waits here for its written-back buffers."""
+        self.layer_reads, self.views = {}, {}
+        if self.cuda and not torch.is_grad_enabled():
             torch.cuda.current_stream(self.device).synchronize()
+
+    def begin_layer(self) -> None:
+        self.layer_reads, self.written = {}, []
+
+    def read_input(self, node, tensor: torch.Tensor) -> None:
+        """An input that views a state copy (a transposed weight, made by the layer before) is
+        state for this layer: what autograd saves of it is fetched again (Rule 2)."""
+        host = self.views.get(node)
+        if host is not None:
+            self.layer_reads[tensor.untyped_storage().data_ptr()] = host
+
+    def fetch_for_layer(self, host: torch.Tensor, trains: bool, writes: bool) -> torch.Tensor:
+        """``host``'s copy for the layer running; ``writes``: it writes the copy in place, which
+        goes back to the host after it (Rule 4)."""
+        copy = self.fetch(host, trains)
+        self.layer_reads[copy.untyped_storage().data_ptr()] = host
+        if writes:
+            self.written.append((host, copy))
+        return copy
+
+    def end_layer(self, node, out) -> None:
+        for host, copy in self.written:                               # Rule 4
+            self.write_back(host, copy)
+        if isinstance(out, torch.Tensor) and self.layer_reads:
+            host = self.layer_reads.get(out.untyped_storage().data_ptr())
+            if host is not None:
+                self.views[node] = host
+
+    @contextlib.contextmanager
+    def module_on_device(self, module: nn.Module, trains: bool):
+        """A leaf module (fx) runs on copies of its parameters and buffers; in a forward
+        (``trains``) every buffer goes back to the host after it: a kernel may write one without
+        counting a version (native_batch_norm's running statistics)."""
+        swapped = []
+        try:
+            for owner in module.modules():
+                for kind in ("_parameters", "_buffers"):
+                    slots = getattr(owner, kind)
+                    for name, host in slots.items():
+                        if host is not None:
+                            buffer = kind == "_buffers"
+                            slots[name] = self.fetch_for_layer(host, trains and not buffer,
+                                                               trains and buffer)
+                            swapped.append((slots, name, host))
+            yield
+        finally:
+            for slots, name, host in swapped:
+                slots[name] = host
+            for host, copy in self.written:
+                self.write_back(host, copy)
+            self.written = []
+
+    def prefetch_layer(self, layer, env: dict, written_state: set) -> None:
+        """Start copying what ``layer`` reads, but state some layer writes (running statistics
+        are fetched when read, after the write before them)."""
+        hosts = [env[node] for node in layer.state_reads
+                 if node in env and node not in written_state]
+        if layer.module is not None:
+            hosts += list(layer.module.parameters())
+        self.prefetch(t for t in hosts if isinstance(t, torch.Tensor))
 
     def prefetch(self, hosts) -> None:
         """Start copying the next layer's state (Rule 1)."""
@@ -148,11 +220,27 @@ class StateTier:
             host.copy_(copy, non_blocking=self.cuda)
 
     # -- backward --------------------------------------------------------------------------------
-    def enter_backward_step(self, step: int, hosts_ahead) -> None:
-        """A new backward step reads saved state: the last step's copies go, the state of the
-        next step that reads any is fetched ahead."""
+    def reads(self, pointer: int) -> bool:
+        """Whether a storage autograd saves is a copy the layer running reads."""
+        return pointer in self.layer_reads
+
+    def saved(self, pointer: int, view, step: int) -> StateRef:
+        """Rule 2: what autograd keeps of a saved copy, read at backward ``step``."""
+        host = self.layer_reads[pointer]
+        self.saved_at.setdefault(step, {})[id(host)] = host
+        return StateRef(self, host, view, step)
+
+    def enter_backward_step(self, step: int) -> None:
+        """Backward reads saved state at ``step``: the copies of the step before go, and the
+        state of the next step with saved state is fetched ahead."""
+        if self.reading_step == step:
+            return
+        if self.saved_steps is None:
+            self.saved_steps = sorted(self.saved_at)
         self.reading, self.reading_step = {}, step
-        self.prefetch(hosts_ahead)
+        at = bisect.bisect_right(self.saved_steps, step)
+        if at < len(self.saved_steps):
+            self.prefetch(self.saved_at[self.saved_steps[at]].values())
 
     def gradient(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         """Rule 3: one use's gradient."""
@@ -214,13 +302,6 @@ class StateTier:
         self.copies, self.sent = [], 0
         self.reading, self.reading_step = {}, None
         self.finishing = False
-
-    def host_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes()
-                   for t in (*self.model.parameters(), *self.model.buffers()))
-
-    def describe(self) -> str:
-        return f"state tier: {format_bytes(self.host_bytes())} of model state in host memory"
 
 
 def to_host_memory(model: nn.Module, device: torch.device) -> None:
