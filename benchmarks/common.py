@@ -36,6 +36,21 @@ def environment() -> dict:
     }
 
 
+def rss_bytes() -> int | None:
+    """The process's resident host memory (pinned host memory counts in it)."""
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/status") as status:
+            line = next(ln for ln in status if ln.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def write(path: str, record: dict, quiet: bool = False) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:       # never a half-written record

@@ -156,15 +156,8 @@ def exact_case(name: str) -> dict:
 
 
 # -- deep ResNet ------------------------------------------------------------------------------
-def _host_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
+    from common import rss_bytes
     rows = []
     for _ in range(STEPS):
         torch.cuda.synchronize()
@@ -186,7 +179,7 @@ def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
                      # each way at the link's speed: the least time the bytes moved can take
                      "link_bound_seconds": (moved_cache + stats.state_moved_bytes) / 2
                      / LINK_BYTES_PER_S,
-                     "host_rss_bytes": _host_rss()})
+                     "host_rss_bytes": rss_bytes()})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

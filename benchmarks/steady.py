@@ -37,21 +37,6 @@ FIELDS = ("seconds", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_b
           "predicted_peak_bytes")
 
 
-def rss_bytes() -> int | None:
-    """The process's resident host memory (pinned host memory counts in it)."""
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        pass
-    try:
-        with open("/proc/self/status") as status:
-            line = next(ln for ln in status if ln.startswith("VmRSS:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration):
-        return None
-
-
 def summarize(steps: dict, budget_bytes: int | None, out_of_memory=None,
               from_step: int = 10) -> dict:
     """The run in a few numbers, from the per-step lists of FIELDS (None where not measured:
@@ -97,7 +82,7 @@ def measure(args, network: str, batch: int, path: str) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as claims
     import torch
     import superneurons as sn
-    from common import cap_memory, make, sgd, sgd_step, write
+    from common import cap_memory, make, rss_bytes, sgd, sgd_step, write
 
     cuda = args.device == "cuda"
     if cuda:

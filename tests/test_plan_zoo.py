@@ -149,7 +149,19 @@ def test_replay_work_weighs_convolutions_by_their_arithmetic():
     assert replay_work(plan) > 0
 
 
-def test_bytes_to_move_counts_each_rise_above_the_budget():
+def test_bytes_to_move_counts_rises_above_the_mark_of_each_stretch_over_the_budget():
+    """What went to the host waits there: a fall and a rise below the stretch's highest excess
+    move nothing new; a stretch that begins after the plan fitted again moves again."""
+    from types import SimpleNamespace
+    from superneurons.planner.trim import bytes_to_move
+    budget = 1000
+    limit = int(0.97 * budget)
+    live = [limit + 100, limit + 50, limit + 100, limit + 150, limit - 10, limit + 40]
+    keep = SimpleNamespace(steps=[SimpleNamespace(live_bytes=b) for b in live])
+    assert bytes_to_move(keep, budget) == 150 + 40
+
+
+def test_bytes_to_move_is_within_what_the_plan_holds():
     from superneurons.planner.trim import bytes_to_move
     keep = plans("resnet50")[Policy.RECOMPUTE]
     assert bytes_to_move(keep, 2 * keep.peak_bytes) == 0

@@ -91,12 +91,15 @@ def bytes_to_move(keep_plan, budget: int) -> int:
     runs within ``budget``: every rise of its live bytes above the highest they reached since
     they last fitted. Within such a stretch what went to the host waits there until backward
     reads it, so a fall and a rise below that mark (a replay's tensors made and freed while
-    checkpoints wait on the host) move nothing new. Measured one way a step, this is the closer
-    count: ResNet-152 at 869 sent 121 GiB (117 counted so, 243 counting every rise),
-    DenseNet-201 at 826 about 25 (21 against 276), a 10,001-layer ResNet replaying whole blocks
-    30 (31) (claims_zoo.json, state_tier_deep.json; zoo_plans_high_water.json: the zoo's plans
-    themselves are unchanged). Counting every rise made that ResNet's whole-block plan look as
-    costly as its floor plan, which holds 100 GiB on the host."""
+    checkpoints wait on the host) move nothing new. Against what runs measured each way a
+    step (half of offloaded plus prefetched), this counts closer: ResNet-152 at 869 sent 122
+    GiB (counted 110 so, 227 counting every rise), DenseNet-201 at 826 sent 25 (21 against
+    276), a 10,001-layer ResNet replaying whole blocks 30 (29) (claims_zoo.json,
+    state_tier_deep.json, zoo_plans.json against zoo_plans_high_water.json, where the zoo's
+    plans are otherwise unchanged). Counting every rise, that ResNet kept its floor plan, which
+    was to send 198 GiB a step to the host, and ran no step in 500 s
+    (state_tier_deep_every_rise.json).
+    """
     limit, moved, high = _SLACK * budget, 0, 0
     for step in keep_plan.steps:
         now = max(0, step.live_bytes - limit)

@@ -215,7 +215,8 @@ class SuperNeuronsModule(nn.Module):
                 liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state)
                 if not host:
                     return liveness, None                                         # Rule 2
-                return liveness, Executor(liveness, device, budget, model=self.model)  # Rule 6
+                return liveness, Executor(liveness, device, self.budget_bytes,
+                                          model=self.model)                         # Rule 6
             except ValueError:
                 pass
         plan = plan_graph(graph, self.policy, budget, self.strategy, self.state)  # Rule 3
