@@ -48,19 +48,20 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
-            tracer: str = "auto", device=None) -> LayerGraph:
+            tracer: str = "auto", device=None, packed_positions: bool = False) -> LayerGraph:
     """The layer graph of ``model`` called like ``model(*example_args(example_input),
     **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
     under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace
     (to compare the two). ``device``: where the step runs, when the model's state lives
-    elsewhere (state="host")."""
+    elsewhere (state="host"). ``packed_positions``: an HF call's position_ids pack sequences
+    (hf.py Rule 1)."""
     args, kwargs = example_args(example_input), dict(kwargs or {})
     if tracer not in ("auto", "export"):
         raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
     if tracer == "auto" and _fx_is_exact(model, args, kwargs):
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
-        exported = export_graph(model, args, kwargs, device)
+        exported = export_graph(model, args, kwargs, device, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     meta = [meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]

@@ -24,6 +24,8 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from .hf import exported_as_called
+
 __all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
 
 # checks export adds for the example's dtypes and devices: a plan's key already pins both
@@ -80,10 +82,12 @@ def _fake_like(tensors_on, example, mode=None):
     return pytree.tree_map(fake, example)
 
 
-def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None) -> ExportedGraph:
+def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
+                 packed_positions: bool = False) -> ExportedGraph:
     """Export ``model`` called with ``args`` and ``kwargs``; a ValueError says what to change.
     ``device``: where the step runs when the model's state lives elsewhere (state="host"): the
-    model is exported as if its state were there (Rule 3)."""
+    model is exported as if its state were there (Rule 3). ``packed_positions``: an HF call's
+    position_ids pack sequences (hf.py Rule 1)."""
     hooks = hooks_of(model)
     if hooks:
         raise ValueError(
@@ -100,7 +104,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None) -> Ex
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
     try:
-        with _state_on(model, device, mode):
+        with _state_on(model, device, mode), exported_as_called(model, packed_positions):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"

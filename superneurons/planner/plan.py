@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture import LayerGraph, capture
+from ..capture.hf import packed_positions, without_full_mask
 from ..units import format_bytes, parse_bytes
 from .costs import LayerCosts, layer_costs
 from .policy import Policy, Strategy, find_segments, parse_policy, parse_strategy, \
@@ -263,5 +264,7 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not "
                          f"{autocast!r}")
     autocast_state = None if autocast is None else (device_type, autocast)
-    return plan_graph(capture(model, example_input, autocast_state, kwargs), policy, budget,
-                      strategy, state)
+    kwargs = without_full_mask(model, dict(kwargs or {}))        # as sn.wrap calls the model
+    graph = capture(model, example_input, autocast_state, kwargs,
+                    packed_positions=packed_positions(model, kwargs))
+    return plan_graph(graph, policy, budget, strategy, state)

@@ -20,9 +20,7 @@ Rule 4: no grad (evaluation) runs the model untouched, except with state on the 
 Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
         memory and streams them through the device layer by layer (state.py); the model is run
         on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
-        are moved there. Capture sees the model as on ``device`` (export.py Rule 3). On CUDA
-        only graphs torch.fx captures (the zoo's) are taken: exported ones were measured
-        inexact there (benchmarks/results/state_tier_exact_export.json) and are refused.
+        are moved there. Capture sees the model as on ``device`` (export.py Rule 3).
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
@@ -44,6 +42,7 @@ from torch.utils import _pytree as pytree
 from ..capture import capture
 from ..capture.entry import Arguments, flat_inputs
 from ..capture.autocast import autocast_state
+from ..capture.hf import packed_positions, without_full_mask
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import parse_state
 from ..units import format_bytes, parse_bytes
@@ -107,15 +106,17 @@ class SuperNeuronsModule(nn.Module):
         # every module's mode and every parameter's requires_grad: a graph specializes on both
         # (BatchNorm frozen by eval(), progressive unfreezing)
         parameters = list(self.model.parameters())
+        packed = packed_positions(self.model, kwargs)                    # capture/hf.py Rule 1
         key = (key, tuple(m.training for m in self.model.modules()),
-               tuple(p.requires_grad for p in parameters), autocast)
+               tuple(p.requires_grad for p in parameters), autocast, packed)
         if self._retiring:
             self._close_idle()
         planned = self._executors.get(key)
         if planned is None:
             if key in self._dropped:
                 self._warn_recapture()
-            planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast)
+            planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast,
+                                                         packed)
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
             return planned
@@ -186,17 +187,11 @@ class SuperNeuronsModule(nn.Module):
             return state.device
         return tensors[0].device if tensors else torch.device("cpu")
 
-    def _make(self, args, kwargs, tensors: list, device, autocast):
+    def _make(self, args, kwargs, tensors: list, device, autocast, packed: bool = False):
         if self.state == "host":                                        # Rule 6
             args, kwargs = _on_meta((args, kwargs))
         graph = capture(self.model, Arguments(args), autocast, kwargs,
-                        device=device if self.state == "host" else None)
-        if self.state == "host" and device.type == "cuda" and graph.in_spec is not None:
-            raise ValueError(                                           # Rule 6
-                f"state='host' on CUDA runs the zoo's networks (captured by torch.fx) for now: "
-                f"{type(self.model).__name__} is captured by torch.export, and HF Llama and "
-                "GPT-2 trained that way on CUDA ended different from plain PyTorch (exact on "
-                "the CPU; the cause is not found yet). Keep state='device' (the default)")
+                        device=device if self.state == "host" else None, packed_positions=packed)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
@@ -228,6 +223,7 @@ class SuperNeuronsModule(nn.Module):
         return plan, Executor(plan, device, self.budget_bytes, model=self.model)
 
     def forward(self, *args, **kwargs):
+        kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
         if self.compute_device is not None:                             # Rule 6
             args, kwargs = _moved_to((args, kwargs), self.compute_device)
         elif not torch.is_grad_enabled():
