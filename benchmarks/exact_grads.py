@@ -1,6 +1,7 @@
 """Where a wrapped run first departs from plain PyTorch: one forward and backward, then steps.
 
     python benchmarks/exact_grads.py OUT_DIR [--device cuda] [--models llama gpt2 ...]
+                                     [--attention sdpa|eager|math]
 
 For each model (HF Llama and GPT-2 from small configs, with and without dropout) and each way of
 running it (plain, wrapped with the state on the device, wrapped with the state on the host under
@@ -8,7 +9,9 @@ the liveness and the superneurons policy), fp32 and bf16 autocast, with determin
 the first backward's loss and gradients compared bit for bit with plain PyTorch (the worst
 parameters named), then 3 SGD steps (no optimizer arithmetic that differs between host and
 device: SGD without momentum is one multiply-add) and 3 AdamW steps against plain PyTorch whose
-AdamW steps host copies of its parameters, as the state tier's does. Writes exact_grads.json.
+AdamW steps host copies of its parameters, as the state tier's does. --attention: HF's SDPA
+attention (default), its eager attention, or SDPA held to the math kernel. Writes
+exact_grads[_ATTENTION].json.
 """
 
 import argparse
@@ -29,6 +32,9 @@ def _setup(device: str):
     return torch
 
 
+ATTENTION = "sdpa"
+
+
 def _build(name: str):
     import torch
     import transformers as tf
@@ -42,7 +48,7 @@ def _build(name: str):
         config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, resid_pdrop=dropout,
                                embd_pdrop=dropout, attn_pdrop=dropout)
     config.use_cache = False
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager" if ATTENTION == "eager" else "sdpa").train()
     ids = torch.randint(0, 256, (2, 64))
     return model, ids
 
@@ -110,6 +116,14 @@ def _compare(torch, a: dict, b: dict) -> dict:
 
 
 def case(torch, name: str, device: str) -> dict:
+    if ATTENTION == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.MATH):
+            return _case(torch, name, device)
+    return _case(torch, name, device)
+
+
+def _case(torch, name: str, device: str) -> dict:
     row = {}
     for autocast in (False, True):
         tag = "bf16" if autocast else "fp32"
@@ -137,14 +151,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--attention", choices=("sdpa", "eager", "math"), default="sdpa")
     parser.add_argument("--models", nargs="*",
                         default=["llama", "llama_nodrop", "gpt2", "gpt2_nodrop"])
     args = parser.parse_args()
+    global ATTENTION
+    ATTENTION = args.attention
     torch = _setup(args.device)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import environment, write
     rows = {name: case(torch, name, args.device) for name in args.models}
-    write(os.path.join(args.out, "exact_grads.json"),
+    suffix = "" if args.attention == "sdpa" else f"_{args.attention}"
+    write(os.path.join(args.out, f"exact_grads{suffix}.json"),
           {"command": " ".join(sys.argv), "environment": environment(), "steps": STEPS,
            "results": rows})
 
