@@ -10,10 +10,12 @@ heads' gradients are rounded to bf16 before they are summed, so the gradients of
 differ from plain PyTorch's. A superneurons graph serves only calls like the one it was captured
 from (same shapes, and a new capture for any other), so it can keep the path the model runs.
 
-Rule 1: while superneurons exports an HF model, transformers' masking code is told it is not
-        exporting, and whether the call's positions pack several sequences is decided as the
-        call itself decides it (packed_positions, part of the plan's key): positions the model
-        makes itself (none passed) are one sequence per row.
+Rule 1: while superneurons exports an HF model for a call without a mask, transformers' masking
+        code is told it is not traced (by whichever flags its version asks), and whether the
+        call's positions pack several sequences is decided as the call itself decides it
+        (packed_positions, part of the plan's key): positions the model makes itself (none
+        passed) are one sequence per row. A call with a mask, or packed positions, needs
+        nothing: both paths materialize its mask.
 Rule 2: an attention_mask that masks nothing is dropped from an HF model's call before capture
         and before each step: transformers treats it as no mask (it skips such masks when it
         runs, but cannot when exported, since it may not read a traced tensor's values). A mask
@@ -33,15 +35,13 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 def _masking(model: nn.Module):
-    """transformers' masking module where ``model`` is an HF model that uses it, else None."""
+    """transformers' masking module where ``model`` is an HF model and it is loaded, else None."""
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not is_hf_model(model) or not all(
-            hasattr(masking, name) for name in _DECIDED):
-        return None
-    return masking
+    return masking if masking is not None and is_hf_model(model) else None
 
 
-_DECIDED = ("is_torchdynamo_exporting", "find_packed_sequence_indices")
+# how transformers' masking code asks whether it is traced, across its versions
+_TRACED_FLAGS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling")
 
 
 def packed_positions(model: nn.Module, kwargs: dict) -> bool:
@@ -49,8 +49,9 @@ def packed_positions(model: nn.Module, kwargs: dict) -> bool:
     would find when it runs (only without an attention mask, as it looks only then)."""
     masking = _masking(model)
     positions = kwargs.get("position_ids")
-    if masking is None or not isinstance(positions, torch.Tensor) or \
-            positions.device.type == "meta" or kwargs.get("attention_mask") is not None:
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices") or \
+            not isinstance(positions, torch.Tensor) or positions.device.type == "meta" or \
+            kwargs.get("attention_mask") is not None:
         return False
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
@@ -58,17 +59,21 @@ def packed_positions(model: nn.Module, kwargs: dict) -> bool:
 
 
 @contextlib.contextmanager
-def exported_as_called(model: nn.Module, packed: bool = False):
-    """Rule 1, for the duration of an export of ``model``; ``packed``: packed_positions of the
-    call."""
+def exported_as_called(model: nn.Module, kwargs: dict, packed: bool = False):
+    """Rule 1, for the duration of an export of ``model`` called with ``kwargs``; ``packed``:
+    packed_positions of the call. A call with a mask, or with packed positions, materializes
+    its mask both ways: nothing to tell (and the flags must stay, or transformers would read
+    the traced mask's values)."""
     masking = _masking(model)
-    if masking is None:
+    if masking is None or packed or kwargs.get("attention_mask") is not None:
         yield
         return
-    originals = {name: getattr(masking, name) for name in _DECIDED}
-    masking.is_torchdynamo_exporting = lambda: False
-    if not packed:
-        masking.find_packed_sequence_indices = lambda position_ids: None
+    names = [name for name in (*_TRACED_FLAGS, "find_packed_sequence_indices")
+             if hasattr(masking, name)]
+    originals = {name: getattr(masking, name) for name in names}
+    for name in names:
+        setattr(masking, name, (lambda position_ids: None) if name.startswith("find_")
+                else (lambda: False))
     try:
         yield
     finally:
