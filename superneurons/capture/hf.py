@@ -40,8 +40,9 @@ def _masking(model: nn.Module):
     return masking if masking is not None and is_hf_model(model) else None
 
 
-# how transformers' masking code asks whether it is traced, across its versions
-_TRACED_FLAGS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling")
+# how transformers' masking code asks whether it is traced, across its versions (is_tracing
+# takes an optional tensor; without a mask it is asked of none the call passed)
+_TRACED_FLAGS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
 
 
 def packed_positions(model: nn.Module, kwargs: dict) -> bool:
@@ -73,7 +74,7 @@ def exported_as_called(model: nn.Module, kwargs: dict, packed: bool = False):
     originals = {name: getattr(masking, name) for name in names}
     for name in names:
         setattr(masking, name, (lambda position_ids: None) if name.startswith("find_")
-                else (lambda: False))
+                else (lambda *tensor: False))
     try:
         yield
     finally:
