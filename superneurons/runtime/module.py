@@ -29,6 +29,10 @@ Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wr
         methods): a wrapper collected before backward leaves its step whole. Calls that
         cycle through more structures than that, so that a dropped plan is asked for again,
         get one warning (each such call captures again).
+Rule 7: data parallelism with state="host" is the wrapper's own (process_group=, runtime/
+        data_parallel.py): DistributedDataParallel's reducer hooks AccumulateGrad, which the
+        state tier never runs, so DDP around such a wrapper is a ValueError before any
+        collective (DDP reads _ddp_params_and_buffers_to_ignore first thing).
 """
 
 import warnings
@@ -46,7 +50,9 @@ from ..capture.hf import packed_positions, without_full_mask
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import parse_state
 from ..units import format_bytes, parse_bytes
+from .data_parallel import DataParallel
 from .executor import Executor, foreign_bytes
+from .host_memory import check_first_step, check_state_fits
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 
@@ -64,7 +70,8 @@ MAX_PLANS = 4
 
 
 class SuperNeuronsModule(nn.Module):
-    def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None):
+    def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
+                 process_group=None):
         super().__init__()
         self.model = model
         self.policy = parse_policy(policy)
@@ -75,11 +82,18 @@ class SuperNeuronsModule(nn.Module):
         if self.state == "host":
             self.compute_device = _compute_device(device)
             check_state_tier(model)
+            check_state_fits(model, self.compute_device)            # host_memory Rule 1
             to_host_memory(model, self.compute_device)
         elif device is not None:
             raise ValueError("device= is for state='host' (compute there, state in host "
                              "memory); with the state on the device, move the model itself "
                              "(model.to(device)) before wrapping it")
+        self._data_parallel = None                                      # Rule 7
+        if process_group is not None:
+            if self.state != "host":
+                raise ValueError("process_group= is for state='host'; with the state on the "
+                                 "device, wrap the wrapped model in DistributedDataParallel")
+            self._data_parallel = DataParallel(model, process_group, self.compute_device)
         self.max_plans = MAX_PLANS
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
@@ -237,8 +251,12 @@ class SuperNeuronsModule(nn.Module):
         self._last = (plan, executor, device)
         if executor is None:
             return self.model(*args, **kwargs)
+        if self._data_parallel is not None:                             # Rule 7
+            self._data_parallel.before_forward(executor.tier)
         graph = plan.graph
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
+        if executor.step_id == 0:
+            check_first_step(executor, self.model)                      # host_memory Rule 1
         try:
             return executor.run(flat)
         except torch.OutOfMemoryError as error:
@@ -250,6 +268,32 @@ class SuperNeuronsModule(nn.Module):
                 "stepped (running statistics this forward updated have moved); lower the budget "
                 "or the batch, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") \
                 from error
+
+    def no_sync(self):
+        """As DistributedDataParallel.no_sync(): forwards inside it (and their backwards)
+        accumulate gradients locally; the first forward after it syncs (Rule 7)."""
+        if self._data_parallel is None:
+            raise ValueError("no_sync() is for a model wrapped with state='host' and "
+                             "process_group=")
+        return self._data_parallel.no_sync()
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel's constructor reads this before any collective (Rule 7)
+        if self.state == "host":
+            raise ValueError(
+                "DistributedDataParallel cannot average the gradients of a model wrapped with "
+                "state='host' (they reach .grad without autograd's AccumulateGrad, which DDP "
+                "hooks). Pass the process group to sn.wrap instead and leave DDP out: "
+                "sn.wrap(model, ..., state='host', process_group=torch.distributed.group.WORLD)"
+                "; it averages as DDP does (no_sync() included)")
+        if "_ddp_ignored" in self.__dict__:
+            return self.__dict__["_ddp_ignored"]
+        raise AttributeError("_ddp_params_and_buffers_to_ignore")
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names):
+        self.__dict__["_ddp_ignored"] = names       # DDP's own setter, for state='device'
 
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
@@ -383,12 +427,14 @@ def _moved_to(tree, device: torch.device):
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",
-         state="device", device=None):
+         state="device", device=None, process_group=None):
     """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB").
     ``state="host"`` keeps parameters, gradients, buffers and optimizer state in host memory and
     runs the model on ``device`` (default: CUDA where there is one), streaming the state layer
     by layer: models whose state alone exceeds the device. Build the optimizer over the model's
-    parameters as usual; it steps them in host memory."""
+    parameters as usual; it steps them in host memory. ``process_group`` (state="host"):
+    train data-parallel over that torch.distributed group as DistributedDataParallel would,
+    which cannot wrap such a model; ``wrapped.no_sync()`` as DDP's."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
-    return SuperNeuronsModule(model, policy, budget, strategy, state, device)
+    return SuperNeuronsModule(model, policy, budget, strategy, state, device, process_group)

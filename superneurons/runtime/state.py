@@ -19,6 +19,8 @@ Rule 4: a buffer a layer writes in place (running statistics) is copied back to 
 Rule 5: what the tier cannot make exact is refused before the first step: hooks on parameters
         (autograd would call them on the copies' gradients, not the parameter's), sparse
         gradients, create_graph (double backward through the copies).
+Rule 6: with a process group (data_parallel.py), a gradient complete on the device is averaged
+        over the group before it is sent (Rule 3), as DistributedDataParallel would average it.
 """
 
 import bisect
@@ -68,6 +70,11 @@ class StateRef:
 
 def check_state_tier(model: nn.Module) -> None:
     """Rule 5, before anything is moved."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "DistributedDataParallel inside sn.wrap(..., state='host') would average nothing: "
+            "its hooks wait for AccumulateGrad, which the tier does not run. Wrap the model "
+            "itself and pass the group: sn.wrap(model, ..., state='host', process_group=group)")
     for name, parameter in model.named_parameters():
         if parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None):
             raise ValueError(
@@ -101,6 +108,10 @@ class StateTier:
         self.sent = 0               # copies before this one have freed their device gradient
         self.finishing = False
         self.moved_bytes = 0
+        # Rule 6: the wrapper's DataParallel where this forward's backward syncs, else None
+        self.data_parallel = None
+        self.syncing = None          # data_parallel at this step's forward
+        self.round = None            # its collectives in the backward running
 
     # -- forward ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -112,6 +123,7 @@ class StateTier:
         self.views, self.saved_at, self.saved_steps = {}, {}, None
         self.reading, self.reading_step = {}, None
         self.moved_bytes = 0
+        self.syncing = self.data_parallel                                     # Rule 6
 
     def end_forward(self) -> None:
         """Views noted in forward are not read again (replays note their own); a forward that
@@ -253,6 +265,7 @@ class StateTier:
         if not self.finishing:
             self.finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.round = self.syncing.begin_backward() if self.syncing is not None else None
         key = id(host)
         arrived = self.arrived.get(key)
         if arrived is None:
@@ -260,10 +273,20 @@ class StateTier:
         arrived[0] += 1
         arrived[1] = grad if arrived[1] is None else arrived[1] + grad
         if arrived[0] >= self.uses.get(key, 1):
-            self._send(self.arrived.pop(key))
+            self._complete(self.arrived.pop(key))
         self._drop_sent()
 
-    def _send(self, arrived) -> None:
+    def _complete(self, arrived) -> None:
+        """A parameter's gradient is complete here: sent, or first averaged over the process
+        group (Rule 6), whose fixed order may hand on several at once."""
+        if self.round is None:
+            self._send(arrived)
+            return
+        for host, grad, replaces in self.round.ready(arrived[2], arrived[1]):
+            self._send((None, grad, host), replaces)
+
+    def _send(self, arrived, replaces: bool = False) -> None:
+        """``replaces``: the gradient sent already holds .grad (an average of it, Rule 6)."""
         _, grad, host = arrived
         if host.grad is None:
             target = torch.empty_like(host, pin_memory=self.cuda)
@@ -271,32 +294,38 @@ class StateTier:
             target = torch.empty_like(host.grad, pin_memory=self.cuda)
         event = self.mover.to_host(grad, target)
         self.moved_bytes += grad.numel() * grad.element_size()
-        self.copies.append((host, target, event, grad))
+        self.copies.append((host, target, event, grad, replaces))
 
     def _drop_sent(self) -> None:
         """Free the device gradients whose copies are done (mover Rule 1), in the order they
         were sent (one stream): each copy is asked once it is the oldest still waiting."""
         copies = self.copies
         while self.sent < len(copies):
-            host, target, event, _ = copies[self.sent]
+            host, target, event, _, replaces = copies[self.sent]
             if event is not None and not event.query():
                 break
-            copies[self.sent] = (host, target, event, None)
+            copies[self.sent] = (host, target, event, None, replaces)
             self.sent += 1
 
     def _finish(self) -> None:
         """Rule 3, as backward ends: gradients every use did not deliver (a partial backward)
         are sent too; then the host waits and sets or accumulates .grad."""
         for arrived in list(self.arrived.values()):
-            self._send(arrived)
+            self._complete(arrived)
         self.arrived.clear()
+        if self.round is not None:                                            # Rule 6
+            for host, grad, replaces in self.round.finish():
+                self._send((None, grad, host), replaces)
+            self.round = None
         if self.cuda:
             self.mover.d2h.synchronize()
             torch.cuda.current_stream(self.device).synchronize()    # buffers written back
         with torch.no_grad():
-            for host, target, _, _ in self.copies:
+            for host, target, _, _, replaces in self.copies:
                 if host.grad is None:
                     host.grad = target
+                elif replaces:
+                    host.grad.copy_(target)
                 else:
                     host.grad += target
         self.copies, self.sent = [], 0

@@ -1,0 +1,169 @@
+"""Data parallelism with the model's state in host memory: DistributedDataParallel's semantics,
+kept by the state tier itself (``sn.wrap(model, state="host", process_group=group)``).
+
+DDP cannot wrap such a model: its reducer hooks the parameters' AccumulateGrad nodes, which the
+tier never runs (state.py Rule 3); it averaged the wrong gradients, silently (the wrapper now
+refuses it, module.py Rule 7). The tier does what DDP's defaults do instead:
+
+Rule 1: at wrap, the ranks check that they hold the same parameter shapes, and every parameter
+        and buffer is broadcast from the group's rank 0 (DDP's init_sync).
+Rule 2: before a forward, buffers are broadcast from rank 0 where DDP's default
+        (forward_sync_buffers) would: when the forward before it ran with grad and synced.
+Rule 3: in a synced backward, each parameter's gradient, once final on the device, is
+        multiplied by 1/world size and summed over the group (all-reduce) before it goes to
+        host memory: DDP's reducer does the same in its buckets (at::mul_out by 1/world, then
+        SUM). A parameter that already holds a gradient (micro-batches without no_sync) has
+        it added first, as AccumulateGrad adds it before DDP reads .grad, and the result
+        replaces .grad. With two ranks a sum is one addition, so the result is DDP's bit for
+        bit; with more, both leave the order of the sum to the backend.
+Rule 4: collectives run in one fixed order on every rank, the parameters' reverse registration
+        order (DDP's first buckets), not in the order backward delivers gradients (a plan's
+        replays, or another shape on another rank, may change it: a mismatch would hang or sum
+        different parameters). A gradient final before its turn waits on the device for it.
+        A parameter this rank has no gradient for takes part with the .grad it holds, or
+        zeros; when backward ends, the ranks count who used each, and one no rank used keeps
+        its .grad untouched: DDP's find_unused_parameters=True.
+Rule 5: no_sync() leaves out Rules 2-4 for the forwards inside it (their backwards accumulate
+        locally), as DDP's does.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+# Rules 1-2: broadcasts in buckets up to this size (DDP's broadcast_bucket_size is 250 MiB): a
+# bucket is one device copy, so a model larger than the device still broadcasts
+BUCKET_BYTES = 256 * 2**20
+
+
+class DataParallel:
+    """One wrapped model's data parallelism over ``group``, computing on ``device``."""
+
+    def __init__(self, model, group, device: torch.device):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("process_group= needs torch.distributed initialized "
+                             "(dist.init_process_group) before sn.wrap")
+        if not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed ProcessGroup (such as "
+                             f"torch.distributed.group.WORLD), not {type(group).__name__}")
+        self.model, self.group, self.device = model, group, device
+        self.world = dist.get_world_size(group)
+        self.require_backward_grad_sync = True     # no_sync() clears it (Rule 5)
+        self.forward_sync = True                   # DDP's require_forward_param_sync (Rule 2)
+        self._check_shapes()
+        self._broadcast(list(model.parameters()) + list(model.buffers()))       # Rule 1
+
+    # -- Rules 1, 2, 5 ----------------------------------------------------------------------------
+    def _check_shapes(self) -> None:
+        """Rule 1: the same parameters everywhere, or a ValueError on every rank (each sees
+        every rank's signature, so none waits in a collective the others left)."""
+        shapes = [tuple(p.shape) for p in self.model.parameters()]
+        signature = torch.tensor([len(shapes), hash(tuple(shapes)) % (1 << 62)],
+                                 dtype=torch.int64, device=self.device)
+        everyone = [torch.empty_like(signature) for _ in range(self.world)]
+        dist.all_gather(everyone, signature, group=self.group)
+        if any(not torch.equal(other, everyone[0]) for other in everyone):
+            raise ValueError("the ranks of process_group hold models with different parameter "
+                             "shapes: build the same model on every rank")
+
+    def _broadcast(self, tensors) -> None:
+        """From the group's rank 0, in buckets of one dtype up to BUCKET_BYTES (thousands of
+        running statistics are one collective, as DDP's broadcast_coalesced makes them)."""
+        bucket, size = [], 0
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and (tensor.dtype != bucket[0].dtype or size + nbytes > BUCKET_BYTES):
+                self._broadcast_bucket(bucket)
+                bucket, size = [], 0
+            bucket.append(tensor)
+            size += nbytes
+        if bucket:
+            self._broadcast_bucket(bucket)
+
+    def _broadcast_bucket(self, bucket: list) -> None:
+        """Through one device copy (NCCL takes device tensors), back to host memory at once."""
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket]).to(self.device)
+            dist.broadcast(flat, group_src=0, group=self.group)
+            flat = flat.cpu()
+            offset = 0
+            for tensor in bucket:
+                tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+    def before_forward(self, tier) -> None:
+        """Rule 2, and whether this forward's backward syncs (the tier reads it per step)."""
+        syncs = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self.forward_sync:
+            self._broadcast(list(self.model.buffers()))
+        self.forward_sync = syncs              # DDP's _post_forward
+        tier.data_parallel = self if syncs else None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        before = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    # -- Rules 3, 4 -------------------------------------------------------------------------------
+    def begin_backward(self) -> "Round":
+        order = [p for p in reversed(list(self.model.parameters())) if p.requires_grad]
+        return Round(self, order)
+
+    def average(self, host: torch.Tensor, grad) -> torch.Tensor:
+        """Rule 3: the group's mean of ``host``'s gradient; ``grad`` None: this rank has none."""
+        old = host.grad
+        if grad is None:          # DDP's bucket: the .grad the parameter holds, or zeros
+            local = old.to(self.device) if old is not None else \
+                torch.zeros(host.shape, dtype=host.dtype, device=self.device)
+        else:                     # AccumulateGrad: variable.grad += new_grad
+            local = grad if old is None else old.to(self.device) + grad
+        reduced = torch.mul(local, 1.0 / self.world)
+        dist.all_reduce(reduced, group=self.group)
+        return reduced
+
+
+class Round:
+    """One synced backward's collectives, in the fixed order of Rule 4."""
+
+    def __init__(self, parallel: DataParallel, order: list):
+        self.parallel, self.order = parallel, order
+        self.turn = {id(p): i for i, p in enumerate(order)}
+        self.waiting: dict = {}          # position -> device gradient, final before its turn
+        self.used = [0] * len(order)
+        self.next = 0
+
+    def ready(self, host: torch.Tensor, grad: torch.Tensor) -> list:
+        """``host``'s gradient is final here; returns the (parameter, averaged gradient,
+        replaces .grad) whose turn has come."""
+        position = self.turn.get(id(host))
+        if position is None:
+            raise RuntimeError("a parameter that did not require grad when backward began got "
+                               "a gradient: set requires_grad before the forward")
+        self.used[position] = 1
+        self.waiting[position] = grad
+        done = []
+        while self.next in self.waiting:
+            done.append(self._reduce(self.next, self.waiting.pop(self.next)))
+            self.next += 1
+        return done
+
+    def _reduce(self, position: int, grad) -> tuple:
+        host = self.order[position]
+        return host, self.parallel.average(host, grad), host.grad is not None
+
+    def finish(self) -> list:
+        """Backward ended: the parameters not reduced yet, then who used what (Rule 4); returns
+        those of them some rank used."""
+        rest = [self._reduce(i, self.waiting.pop(i, None)) for i in range(self.next,
+                                                                          len(self.order))]
+        used = torch.tensor(self.used[self.next:], dtype=torch.int32,
+                            device=self.parallel.device)
+        if used.numel():
+            dist.all_reduce(used, group=self.parallel.group)
+        self.next = len(self.order)
+        return [item for item, count in zip(rest, used.tolist()) if count > 0]
