@@ -3,7 +3,7 @@ ResNet and a decoder, each case in a fresh process under the 12 GiB cap.
 
     python benchmarks/state_tier.py OUT_DIR exact            # plain vs host state, and a control
     python benchmarks/state_tier.py OUT_DIR deep [--n3 3323] [--batch 16]
-    python benchmarks/state_tier.py OUT_DIR decoder [--hidden 2048 --layers 22 ...]
+    python benchmarks/state_tier.py OUT_DIR decoder [--decoder HIDDEN LAYERS ...] [--fused]
 
 exact: small models nobody here needed to write (the zoo's ResNet, HF Llama and GPT-2 from small
 configs) trained 3 steps plainly on the GPU and wrapped with their state on the host, with
@@ -222,7 +222,8 @@ def deep_case(n3: int, batch: int) -> dict:
 
 
 # -- decoder ----------------------------------------------------------------------------------
-def decoder_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch) -> dict:
+def decoder_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch,
+                 fused=0) -> dict:
     torch = _setup()
     import transformers as tf
     import superneurons as sn
@@ -239,7 +240,10 @@ def decoder_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batc
            "params": sum(p.numel() for p in model.parameters()),
            "build_s": time.perf_counter() - began}
     wrapped = sn.wrap(model, policy="superneurons", budget=BUDGET, state="host", device="cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    # the user's choice of kernel: foreach, or the fused one PyTorch has for CPU tensors too
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                                  **({"fused": True} if fused else {"foreach": True}))
+    row["optimizer"] = "AdamW fused" if fused else "AdamW foreach"
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
     began = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -307,6 +311,7 @@ def main():
     parser.add_argument("kind", choices=("exact", "deep", "decoder"))
     parser.add_argument("--n3", type=int, default=3323)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--fused", action="store_true", help="decoder: fused AdamW on the host")
     parser.add_argument("--decoder", type=int, nargs=7, default=[2048, 22, 5632, 32, 4, 32000, 2048],
                         metavar=("HIDDEN", "LAYERS", "INTERMEDIATE", "HEADS", "KV_HEADS", "VOCAB",
                                  "SEQ"))
@@ -320,7 +325,7 @@ def main():
     elif args.kind == "deep":
         rows = [_in_child(["deep", args.n3, args.batch], args.timeout)]
     else:
-        rows = [_in_child(["decoder", *args.decoder, args.batch], args.timeout)]
+        rows = [_in_child(["decoder", *args.decoder, args.batch, int(args.fused)], args.timeout)]
     write(os.path.join(args.out, f"state_tier_{args.kind}.json"),
           {"command": " ".join(sys.argv), "environment": environment(), "cap_gib": CAP_GIB,
            "budget": BUDGET, "steps": STEPS, "results": rows})
