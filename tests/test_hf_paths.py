@@ -63,10 +63,10 @@ def _train(wrap, kwargs: dict, steps: int = 2, build=_llama, device="cpu"):
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = run(**kwargs).loss
         loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
         optimizer.step()
-        losses.append(loss.detach())
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses.append(loss.detach().cpu())
+    return losses, grads, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 def _assert_same(plain, wrapped):
