@@ -8,11 +8,16 @@
 """
 
 import importlib
+import logging
 
 from .planner import Action, Plan, Policy, Strategy, plan
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
+
+# The library says what long work is doing (capture, planning, host memory) as INFO records of
+# this logger; silent unless the application shows them (the command line does).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = ["plan", "wrap", "Plan", "Policy", "Strategy", "Action", "parse_bytes", "format_bytes",
            "models"]

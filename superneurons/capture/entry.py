@@ -1,6 +1,8 @@
 """Capture's entry: the model's call (its arguments, as a user gives them) and which tracer
 captures it (trace.py Rule 1), then the analysis of every layer on the meta device."""
 
+import logging
+
 import torch
 from torch import nn
 
@@ -46,6 +48,8 @@ def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
+log = logging.getLogger(__name__)     # INFO: what a long capture is doing, for a status line
+
 
 def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
             tracer: str = "auto", device=None, packed_positions: bool = False) -> LayerGraph:
@@ -59,12 +63,15 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     if tracer not in ("auto", "export"):
         raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
     if tracer == "auto" and _fx_is_exact(model, args, kwargs):
+        log.info("capturing %s with torch.fx", type(model).__name__)
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
+        log.info("capturing %s with torch.export", type(model).__name__)
         exported = export_graph(model, args, kwargs, device, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     meta = [meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
+    log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
     graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
     graph.in_spec, graph.out_spec = in_spec, out_spec
     graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

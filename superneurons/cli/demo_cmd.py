@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from .. import models, plan, wrap
 from ..units import format_bytes
 from .output import print_table
+from .progress import Progress
 
 
 def add_arguments(parser) -> None:
@@ -16,6 +17,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
+    with Progress() as progress:          # capture, planning and steps, on stderr
+        _run(args, progress)
+
+
+def _run(args, progress: Progress) -> None:
+    progress.say("planning ResNet-50 at batch 64 under five policies, on the meta device")
     with torch.device("meta"):
         resnet50 = models.resnet(50)
     rows = []
@@ -29,12 +36,16 @@ def run(args) -> None:
     model = models.resnet(blocks=(2, 2, 2, 2), num_classes=10)
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
     rows = []
+    policies = ("offload", "recompute", "superneurons")
+    progress.say(f"training a small ResNet for {args.steps} steps, plainly and under "
+                 f"{', '.join(policies)}")
+    progress.steps((1 + len(policies)) * args.steps)
     plain = copy.deepcopy(model)
-    reference = _train(plain, x, y, args.steps)
-    for policy in ("offload", "recompute", "superneurons"):
+    reference = _train(plain, x, y, args.steps, progress, "plain")
+    for policy in policies:
         managed = copy.deepcopy(model)
         wrapped = wrap(managed, policy=policy)
-        losses = _train(wrapped, x, y, args.steps)
+        losses = _train(wrapped, x, y, args.steps, progress, policy)
         same = losses == reference and all(
             torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                               managed.state_dict().values()))
@@ -42,6 +53,7 @@ def run(args) -> None:
         rows.append([policy, format_bytes(stats.predicted_peak_bytes),
                      format_bytes(stats.peak_bytes), format_bytes(stats.offloaded_bytes),
                      stats.recomputed_layers, "yes" if same else "NO"])
+    progress.finish()                     # the bar ends before the table
     print_table(f"ResNet-18-style bottleneck net on {x.device}, batch 8, {args.steps} SGD steps "
                 "at each policy's tightest budget", ["policy", "predicted peak",
                                                      "accounted peak", "offloaded",
@@ -51,7 +63,7 @@ def run(args) -> None:
         raise SystemExit("a policy diverged from plain PyTorch: please report this")
 
 
-def _train(model, x, y, steps: int) -> list:
+def _train(model, x, y, steps: int, progress: Progress, name: str) -> list:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)
     losses = []
@@ -61,4 +73,5 @@ def _train(model, x, y, steps: int) -> list:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        progress.step(run=name, loss=f"{losses[-1]:.3f}")
     return losses

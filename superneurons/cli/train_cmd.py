@@ -14,6 +14,7 @@ from .. import models, wrap
 from ..units import format_bytes
 from .output import print_table
 from .plan_cmd import add_model_arguments, budget
+from .progress import Progress
 
 
 def add_arguments(parser) -> None:
@@ -47,14 +48,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, unit="step")
-    except ImportError:
-        return None
-
-
 def _launch(args) -> None:
     """Start ``nproc`` copies of this command under torchrun, one per rank."""
     argv = list(args.argv)
@@ -74,6 +67,12 @@ def run(args) -> None:
         return _launch(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA build of PyTorch and a GPU; use --device cpu")
+    # rank 0 shows what the library is doing (capture, planning, host memory) and a bar
+    with Progress(enabled=os.environ.get("RANK", "0") == "0") as progress:
+        _train(args, progress)
+
+
+def _train(args, progress: Progress) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
@@ -103,17 +102,11 @@ def run(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if rank == 0 else \
-        (lambda text: None)
-    say(f"capturing and planning {args.model} at batch {args.batch}...")
+    progress.say(f"{args.model} at batch {args.batch} on {device}")
     began = time.perf_counter()
     with autocast:
-        planned, _ = stats_of.plan_for(x)    # a budget too small fails here, before any step
-    plan_seconds = time.perf_counter() - began
-    say(f"planned in {plan_seconds:.1f} s: {planned.policy}, predicted peak "
-        f"{format_bytes(planned.peak_bytes)}; the first steps take longer (host memory for "
-        "offloads and, on CUDA, real use measured against the plan)")
-    bar = _progress(args.steps) if rank == 0 else None
+        stats_of.plan_for(x)    # a budget too small fails here, before any step
+    progress.steps(args.steps)
     start = time.perf_counter()
     first_step_seconds = None
     for step in range(args.steps):
@@ -123,22 +116,21 @@ def run(args) -> None:
         loss = F.nll_loss(out.float(), y)
         loss.backward()
         optimizer.step()
-        if bar is not None:
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{loss.item():.3f}",
-                            img_s=f"{world * args.batch * (step + 1) / elapsed:.1f}",
-                            peak=format_bytes(stats_of.stats.peak_bytes))
-            bar.update()
+        elapsed = time.perf_counter() - start
+        progress.step(loss=f"{loss.item():.3f}",
+                      img_s=f"{world * args.batch * (step + 1) / elapsed:.1f}",
+                      peak=format_bytes(stats_of.stats.peak_bytes))
         if step == 0:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            first_step_seconds = time.perf_counter() - start
+            # with capturing and planning, which plan_for did before the loop
+            first_step_seconds = time.perf_counter() - began
             first = stats_of.stats
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
+    end = time.perf_counter()
+    elapsed, later_seconds = end - start, end - began - first_step_seconds
+    progress.finish()                          # the bar ends before the summary
     if world > 1:
         import torch.distributed as dist
         # every rank done with its collectives, and DDP's reducer (which holds Gloo work) gone,
@@ -157,11 +149,13 @@ def run(args) -> None:
                     ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
                     ["images per second (all processes)",
                      f"{world * args.batch * args.steps / elapsed:.1f}"],
-                    ["capture and planning", f"{plan_seconds:.1f} s"],
-                    ["first step / later steps",
+                    ["first step (with capture) / later steps",
                      f"{first_step_seconds:.2f} s / " + (
-                         f"{(elapsed - first_step_seconds) / (args.steps - 1):.2f} s each"
+                         f"{later_seconds / (args.steps - 1):.2f} s each"
                          if args.steps > 1 else "none")],
+                    ["first step: capture / planning / host check",
+                     f"{first.capture_seconds:.2f} s / {first.planning_seconds:.2f} s / "
+                     f"{first.host_check_seconds:.2f} s"],
                     ["first step: host memory taken / allocator read",
                      f"{first.host_memory_seconds:.2f} s / {first.calibration_seconds:.2f} s"],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],

@@ -33,6 +33,7 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
         workspaces that shrink to fit, was added at steps inside whole-block replays.
 """
 
+import logging
 import operator
 import time
 import weakref
@@ -59,6 +60,8 @@ CALIBRATION_STEPS = 2
 # diagnose_inception_v4_3_budgets.json); with 1.5, batches 381 and 400 fit
 # (diagnose_inception_v4.json)
 FIRST_STEP_MARGIN = 1.5
+
+log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
 
 
 def allocated_bytes(device: torch.device) -> int:
@@ -272,6 +275,9 @@ class Executor:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
             self.calibration_left = max(0, self.calibration_left - 1)
+            if self.calibrating:
+                log.info("step %d of this plan: calibrating (reading device memory at every "
+                         "layer)", self.step_id)
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = self._state(node)

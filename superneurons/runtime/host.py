@@ -31,6 +31,7 @@ Rule 6: before its first pinned chunk the store has PyTorch map the pages on PIN
         process's: the user's own pinned tensors (a DataLoader's) pin faster too.
 """
 
+import logging
 import os
 import time
 import warnings
@@ -38,6 +39,8 @@ import warnings
 import torch
 
 from ..units import format_bytes
+
+log = logging.getLogger(__name__)   # INFO: pinning a chunk takes seconds; the CLI shows it
 
 _ALIGN = 512
 # threads that map pinned pages before registering them (Rule 6): 16 measured fastest of 8 and 16
@@ -152,6 +155,8 @@ class HostMemory:
         want = max(min(max(self.capacity, self.first_chunk_bytes), MAX_CHUNK_BYTES), size)
         want = 1 << (want - 1).bit_length()                                  # Rule 2
         buffer, pinned = None, self.pin
+        log.info("taking %s of %s host memory for offloads (%s held)", format_bytes(want),
+                 "pinned" if self.pin else "pageable", format_bytes(self.capacity))
         if self.pin:
             _pin_with_threads()
         while self.pin and want >= size:

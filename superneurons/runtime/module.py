@@ -35,6 +35,8 @@ Rule 7: data parallelism with state="host" is the wrapper's own (process_group=,
         collective (DDP reads _ddp_params_and_buffers_to_ignore first thing).
 """
 
+import logging
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -68,6 +70,10 @@ _DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
 # its pinned host memory.
 MAX_PLANS = 4
 
+# what the first step is doing, for a command line's status display; INFO, so silent unless a
+# caller asks (the package's logger has a NullHandler)
+log = logging.getLogger(__name__)
+
 
 class SuperNeuronsModule(nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
@@ -83,6 +89,7 @@ class SuperNeuronsModule(nn.Module):
             self.compute_device = _compute_device(device)
             check_state_tier(model)
             check_state_fits(model, self.compute_device)            # host_memory Rule 1
+            log.info("moving the model's state into host memory")
             to_host_memory(model, self.compute_device)
         elif device is not None:
             raise ValueError("device= is for state='host' (compute there, state in host "
@@ -106,6 +113,8 @@ class SuperNeuronsModule(nn.Module):
         self._fallbacks: dict = {}
         self._retiring: list = []      # dropped executors with a step in flight (Rule 5)
         self._dropped: OrderedDict = OrderedDict()     # keys dropped lately (Rule 5's warning)
+        # call key -> seconds spent making its plan, until a step runs it (StepStats)
+        self._unreported: dict = {}
         self._last = None
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
@@ -114,6 +123,10 @@ class SuperNeuronsModule(nn.Module):
     def plan_for(self, *args, **kwargs):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
         where the model runs untouched)."""
+        return self._planned(args, without_full_mask(self.model, kwargs))[1]  # as forward calls
+
+    def _planned(self, args, kwargs):
+        """(the call's key, plan_for's answer)."""
         tensors, key = _call_key(args, kwargs)
         device = self._device(tensors)
         autocast = autocast_state(device.type)
@@ -129,11 +142,15 @@ class SuperNeuronsModule(nn.Module):
         if planned is None:
             if key in self._dropped:
                 self._warn_recapture()
-            planned = self._executors[key] = self._make(args, kwargs, tensors, device, autocast,
-                                                         packed)
+            try:
+                planned = self._executors[key] = self._make(key, args, kwargs, tensors, device,
+                                                             autocast, packed)
+            except BaseException:
+                self._unreported.pop(key, None)       # no plan: no step will report its making
+                raise
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
-            return planned
+            return key, planned
         self._executors.move_to_end(key)
         plan, executor = planned
         if executor is None and self.budget_bytes is not None and \
@@ -143,9 +160,11 @@ class SuperNeuronsModule(nn.Module):
                 # kept beside the untouched plan: memory others hold may be passing (a
                 # previous micro-batch's activations, another model's step)
                 if key not in self._fallbacks:
-                    self._fallbacks[key] = self._plan(plan.graph, device, foreign)
-                return self._fallbacks[key]
-        return planned
+                    log.info("optimizer state fills the device: planning the step within what "
+                             "is left")
+                    self._fallbacks[key] = self._plan(key, plan.graph, device, foreign)
+                return key, self._fallbacks[key]
+        return key, planned
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
@@ -162,6 +181,7 @@ class SuperNeuronsModule(nn.Module):
             self._dropped.popitem(last=False)
         self._drop(self._executors.pop(key)[1])
         self._drop(self._fallbacks.pop(key, (None, None))[1])
+        self._unreported.pop(key, None)
 
     def _drop(self, executor) -> None:
         """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
@@ -201,20 +221,40 @@ class SuperNeuronsModule(nn.Module):
             return state.device
         return tensors[0].device if tensors else torch.device("cpu")
 
-    def _make(self, args, kwargs, tensors: list, device, autocast, packed: bool = False):
+    def _made(self, key, **seconds) -> None:
+        """Time spent making the plan for ``key``, reported by the next step that runs it."""
+        times = self._unreported.setdefault(key, {})
+        for name, value in seconds.items():
+            times[name] = times.get(name, 0.0) + value
+
+    def _make(self, key, args, kwargs, tensors: list, device, autocast, packed: bool = False):
         if self.state == "host":                                        # Rule 6
             args, kwargs = _on_meta((args, kwargs))
+        began = time.perf_counter()
         graph = capture(self.model, Arguments(args), autocast, kwargs,
                         device=device if self.state == "host" else None, packed_positions=packed)
+        self._made(key, capture_seconds=time.perf_counter() - began)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
                                     state_on_device=self.state == "device")
-        return self._plan(graph, device, foreign)
+        return self._plan(key, graph, device, foreign)
 
-    def _plan(self, graph, device, foreign: int | None):
+    def _plan(self, key, graph, device, foreign: int | None):
         """(plan, executor or None) for a captured graph, within the budget less ``foreign``
         bytes on the device that the model does not own (None: not counted)."""
+        log.info("planning %d layers: %s within %s", len(graph.layers), self.policy,
+                 "its own floor" if self.budget_bytes is None else format_bytes(self.budget_bytes))
+        began = time.perf_counter()
+        planned = self._choose_plan(graph, device, foreign)
+        self._made(key, planning_seconds=time.perf_counter() - began)
+        plan, executor = planned
+        log.info("planned: %s, predicted peak %s%s", plan.policy, format_bytes(plan.peak_bytes),
+                 "" if executor is not None else "; the model runs untouched")
+        return planned
+
+    def _choose_plan(self, graph, device, foreign: int | None):
+        """_plan's choice of policy and executor."""
         budget = self.budget_bytes
         if budget is not None and foreign is not None:
             budget = budget_left(budget, foreign, device)
@@ -242,13 +282,14 @@ class SuperNeuronsModule(nn.Module):
             args, kwargs = _moved_to((args, kwargs), self.compute_device)
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
-        plan, executor = self.plan_for(*args, **kwargs)
+        key, (plan, executor) = self._planned(args, kwargs)
+        made = self._unreported.pop(key, {})          # the plan's making, on its first step
         device = executor.device if executor is not None else \
             self._device([t for t in pytree.tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor)])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._last = (plan, executor, device)
+        self._last = (plan, executor, device, made)
         if executor is None:
             return self.model(*args, **kwargs)
         if self._data_parallel is not None:                             # Rule 7
@@ -256,7 +297,10 @@ class SuperNeuronsModule(nn.Module):
         graph = plan.graph
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         if executor.step_id == 0:
+            began = time.perf_counter()
             check_first_step(executor, self.model)                      # host_memory Rule 1
+            made["host_check_seconds"] = time.perf_counter() - began
+            log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:
             return executor.run(flat)
         except torch.OutOfMemoryError as error:
@@ -298,7 +342,7 @@ class SuperNeuronsModule(nn.Module):
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
-        for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_last"):
+        for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last"):
             del state[name]           # __setstate__ makes them anew (_init_plans)
         return state
 
@@ -310,19 +354,19 @@ class SuperNeuronsModule(nn.Module):
     def stats(self) -> StepStats | None:
         if self._last is None:
             return None
-        plan, executor, device = self._last
+        plan, executor, device, made = self._last
         measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         cuda = measured > 0              # zero without the caching allocator: not a measurement
         if executor is None:
             return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
-                             measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda)
+                             measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda, **made)
         pool = executor.pool
         return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
                          measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                          executor.calibration_seconds,
-                         executor.tier.moved_bytes if executor.tier is not None else 0)
+                         executor.tier.moved_bytes if executor.tier is not None else 0, **made)
 
 
 def reads_device_memory(device: torch.device) -> bool:
