@@ -50,17 +50,21 @@ def _gpt2(rank):
 class _Unused(nn.Module):
     """A parameter no rank uses: DDP (find_unused_parameters=True) leaves its .grad alone."""
 
-    def __init__(self):
+    def __init__(self, spare_on_this_rank=False):
         super().__init__()
         self.used, self.spare = nn.Linear(8, 4), nn.Linear(8, 4)
+        self.spare_on_this_rank = spare_on_this_rank
 
     def forward(self, x):
-        return self.used(x)
+        out = self.used(x)
+        return out + self.spare(x) if self.spare_on_this_rank else out
 
 
-def _unused(rank):
+def _unused(rank, by_rank=False):
+    """by_rank: rank 1 uses the spare parameters and rank 0 does not (each rank's collectives
+    must still pair up)."""
     torch.manual_seed(rank)
-    model = _Unused()
+    model = _Unused(spare_on_this_rank=by_rank and rank == 1)
 
     def batch(step, micro):
         g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
@@ -69,7 +73,8 @@ def _unused(rank):
     return model, batch
 
 
-CASES = {"resnet": _resnet, "gpt2": _gpt2, "unused": _unused}
+CASES = {"resnet": _resnet, "gpt2": _gpt2, "unused": _unused,
+         "unused on one rank": lambda rank: _unused(rank, by_rank=True)}
 
 
 def _optimizer(name, params):
@@ -84,7 +89,7 @@ def _train(case, optimizer_name, rank, how, accumulate):
     in odd ones (DDP then averages the .grad accumulated so far); None: one."""
     model, batch = CASES[case](rank)
     if how == "ddp":
-        run = DistributedDataParallel(model, find_unused_parameters=case == "unused")
+        run = DistributedDataParallel(model, find_unused_parameters=case.startswith("unused"))
     else:
         group = dist.group.WORLD if how == "tier" else None
         run = sn.wrap(model, policy="superneurons", state="host", device="cpu",
@@ -173,6 +178,7 @@ def test_the_tier_averages_as_ddp_does_bit_for_bit():
     control: without process_group the same comparison finds differences."""
     runs = {"resnet sgd micro-batches": ("resnet", "sgd", "tier", "micro"),
             "unused adamw": ("unused", "adamw", "tier", None),
+            "unused on one rank sgd": ("unused on one rank", "sgd", "tier", None),
             "control: no process group": ("unused", "adamw", "alone", None),
             "ddp around a host-state wrap": ("resnet", None, "refused", None)}
     for rank, found in enumerate(_spawn(runs)):

@@ -159,11 +159,11 @@ class Round:
     def finish(self) -> list:
         """Backward ended: the parameters not reduced yet, then who used what (Rule 4); returns
         those of them some rank used."""
-        rest = [self._reduce(i, self.waiting.pop(i, None)) for i in range(self.next,
+        start = self.next          # differs between ranks that used different parameters
+        rest = [self._reduce(i, self.waiting.pop(i, None)) for i in range(start,
                                                                           len(self.order))]
-        used = torch.tensor(self.used[self.next:], dtype=torch.int32,
-                            device=self.parallel.device)
-        if used.numel():
-            dist.all_reduce(used, group=self.parallel.group)
+        # every rank sends the whole vector: one collective of one size everywhere
+        used = torch.tensor(self.used, dtype=torch.int32, device=self.parallel.device)
+        dist.all_reduce(used, group=self.parallel.group)
         self.next = len(self.order)
-        return [item for item, count in zip(rest, used.tolist()) if count > 0]
+        return [item for item, count in zip(rest, used.tolist()[start:]) if count > 0]
