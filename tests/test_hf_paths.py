@@ -119,3 +119,57 @@ def test_masks_of_ones_and_padding_get_their_own_plans():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(**calls[name]).loss.backward()
         assert len(model._executors) == plans, name
+
+
+class _Holder(torch.nn.Module):
+    """User code around an HF model: the fix must reach it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _llama()
+
+    def forward(self, input_ids, labels):
+        return self.inner(input_ids=input_ids, labels=labels)
+
+
+def test_a_module_holding_an_hf_model_takes_its_path():
+    kwargs = _calls()["no mask"]
+    plain = _train(lambda m: m, kwargs, build=_Holder)
+    _assert_same(plain, _train(lambda m: sn.wrap(m, policy="recompute", budget=None), kwargs,
+                               build=_Holder))
+
+
+def test_a_4d_mask_of_ones_is_the_users_pattern_and_stays():
+    """All-True 4-D: attend everywhere (not causal); dropping it would make it causal."""
+    ids = _calls()["no mask"]["input_ids"]
+    kwargs = dict(input_ids=ids, labels=ids,
+                  attention_mask=torch.ones(2, 1, SEQ, SEQ, dtype=torch.bool))
+    plain = _train(lambda m: m, kwargs)
+    _assert_same(plain, _train(lambda m: sn.wrap(m, policy="recompute", budget=None), kwargs))
+
+
+def test_a_positional_mask_is_seen_as_a_mask():
+    """BertModel(ids, mask): the mask comes by position; capture must not tell transformers it is
+    not traced (it would read the traced mask's values)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=32)
+    model = transformers.BertModel(config).train()
+    ids = _calls()["no mask"]["input_ids"]
+    mask = _calls()["padded mask"]["attention_mask"]
+    torch.manual_seed(5)                                     # dropout draws alike
+    plain = model(ids, mask).last_hidden_state
+    wrapped = sn.wrap(model, policy="recompute", budget=None)
+    torch.manual_seed(5)
+    wrapped = wrapped(ids, mask).last_hidden_state
+    assert torch.equal(plain, wrapped)
+
+
+def test_transformers_own_functions_are_untouched_outside_an_export():
+    """The switches act only in the exporting thread, only while it exports."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    model = sn.wrap(_llama(), policy="recompute", budget=None)
+    model(**_calls()["no mask"]).loss.backward()
+    packed = _calls()["packed positions"]["position_ids"]
+    assert masking.find_packed_sequence_indices(packed) is not None

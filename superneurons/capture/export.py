@@ -104,7 +104,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
     try:
-        with _state_on(model, device, mode), exported_as_called(model, kwargs, packed_positions):
+        with _state_on(model, device, mode), exported_as_called(model, args, kwargs, packed_positions):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"

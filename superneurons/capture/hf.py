@@ -5,37 +5,46 @@ transformers builds attention masks one way when it runs and another when torch.
 is_causal=True and, for grouped-query attention, enable_gqa=True; exported, it materializes the
 causal mask and repeats the key and value heads (an exported graph must serve any later mask and
 sequence length, and it may not read a traced tensor's values to learn that the positions are
-one sequence each). The two agree in value but not in rounding: under bf16 autocast the repeated
-heads' gradients are rounded to bf16 before they are summed, so the gradients of k_proj and v_proj
-differ from plain PyTorch's. A superneurons graph serves only calls like the one it was captured
-from (same shapes, and a new capture for any other), so it can keep the path the model runs.
+one sequence each). The two agree in value but not in rounding: other SDPA kernels run on CUDA,
+and under bf16 the repeated heads' gradients are rounded before they are summed. A superneurons
+graph serves only calls like the one it was captured from (same shapes, and a new capture for
+any other), so it can keep the path the model runs.
 
-Rule 1: while superneurons exports an HF model for a call without a mask, transformers' masking
-        code is told it is not traced (by whichever flags its version asks), and whether the
-        call's positions pack several sequences is decided as the call itself decides it
-        (packed_positions, part of the plan's key): positions the model makes itself (none
-        passed) are one sequence per row. A call with a mask, or packed positions, needs
-        nothing: both paths materialize its mask.
-Rule 2: an attention_mask that masks nothing is dropped from an HF model's call before capture
-        and before each step: transformers treats it as no mask (it skips such masks when it
-        runs, but cannot when exported, since it may not read a traced tensor's values). A mask
-        that masks something stays, and both paths materialize it. Reading it costs one small
-        reduction and a host sync per step.
+Rule 1: while superneurons exports a model holding an HF model, for a call that passes no mask
+        (no tensor argument named like one) and whose positions are one sequence per row,
+        transformers' masking code is told it is not traced (by whichever flags its version
+        asks) and that the positions pack nothing. Whether the call's position_ids pack
+        several sequences is decided as the model decides it, from their values
+        (packed_positions, part of the plan's key); positions the model makes itself are one
+        sequence per row. A call with a mask or packed positions needs nothing: both paths
+        materialize its mask. The switches are installed once and act only in the thread
+        exporting, only while it exports; elsewhere they are transformers' own functions.
+Rule 2: a 2-D attention_mask (bool or integer) that masks nothing is dropped from an HF model's
+        call before capture and before each step: transformers treats it as no mask (it skips
+        such masks when it runs, but cannot when exported). A 4-D mask is the user's own
+        pattern and stays, as does a mask that masks something. Reading it costs one small
+        reduction and a host sync per step, as reading packed positions does.
 """
 
 import contextlib
+import functools
+import inspect
 import sys
+import threading
 
 import torch
 from torch import nn
 
+_local = threading.local()       # .as_called: this thread is exporting a call as called
+
 
 def is_hf_model(model: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    """Whether ``model`` is, or holds, a transformers model."""
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
 def _masking(model: nn.Module):
-    """transformers' masking module where ``model`` is an HF model and it is loaded, else None."""
+    """transformers' masking module where ``model`` holds an HF model and it is loaded."""
     masking = sys.modules.get("transformers.masking_utils")
     return masking if masking is not None and is_hf_model(model) else None
 
@@ -45,47 +54,88 @@ def _masking(model: nn.Module):
 _TRACED_FLAGS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
 
 
-def packed_positions(model: nn.Module, kwargs: dict) -> bool:
+def _named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by the names of the model's forward (positional ones included)."""
+    try:
+        return dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+def _passes_mask(named: dict) -> bool:
+    return any(isinstance(value, torch.Tensor) and "mask" in name
+               for name, value in named.items())
+
+
+def packed_positions(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Rule 1: whether a call's own position_ids pack several sequences in a row, as the model
-    would find when it runs (only without an attention mask, as it looks only then)."""
+    would find when it runs (only without a mask, as it looks only then)."""
+    if not any(isinstance(a, torch.Tensor) for a in (*args, kwargs.get("position_ids"))):
+        return False                              # no positions this call could pass
+    named = _named(model, args, kwargs)
+    positions = named.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.device.type == "meta" or \
+            _passes_mask(named):
+        return False
     masking = _masking(model)
-    positions = kwargs.get("position_ids")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices") or \
-            not isinstance(positions, torch.Tensor) or positions.device.type == "meta" or \
-            kwargs.get("attention_mask") is not None:
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         return False
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
-    return masking.find_packed_sequence_indices(positions) is not None
+    with _acting(False):
+        return masking.find_packed_sequence_indices(positions) is not None
 
 
 @contextlib.contextmanager
-def exported_as_called(model: nn.Module, kwargs: dict, packed: bool = False):
-    """Rule 1, for the duration of an export of ``model`` called with ``kwargs``; ``packed``:
-    packed_positions of the call. A call with a mask, or with packed positions, materializes
-    its mask both ways: nothing to tell (and the flags must stay, or transformers would read
-    the traced mask's values)."""
+def exported_as_called(model: nn.Module, args: tuple, kwargs: dict, packed: bool = False):
+    """Rule 1, for the duration of an export of ``model`` called with ``args`` and ``kwargs``;
+    ``packed``: packed_positions of the call."""
     masking = _masking(model)
-    if masking is None or packed or kwargs.get("attention_mask") is not None:
+    if masking is None or packed or _passes_mask(_named(model, args, kwargs)):
         yield
         return
-    names = [name for name in (*_TRACED_FLAGS, "find_packed_sequence_indices")
-             if hasattr(masking, name)]
-    originals = {name: getattr(masking, name) for name in names}
-    for name in names:
-        setattr(masking, name, (lambda position_ids: None) if name.startswith("find_")
-                else (lambda *tensor: False))
+    _install(masking)
+    with _acting(True):
+        yield
+
+
+@contextlib.contextmanager
+def _acting(value: bool):
+    before = getattr(_local, "as_called", False)
+    _local.as_called = value
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(masking, name, original)
+        _local.as_called = before
+
+
+def _install(masking) -> None:
+    """Rule 1's switches, once per process: each is transformers' own function unless this
+    thread is exporting a call as called."""
+    if getattr(masking, "_superneurons_switches", False):
+        return
+    for name in _TRACED_FLAGS:
+        if hasattr(masking, name):
+            setattr(masking, name, _switch(getattr(masking, name), False))
+    if hasattr(masking, "find_packed_sequence_indices"):
+        masking.find_packed_sequence_indices = _switch(masking.find_packed_sequence_indices, None)
+    masking._superneurons_switches = True
+
+
+def _switch(original, answer):
+    @functools.wraps(original)
+    def switch(*args, **kwargs):
+        if getattr(_local, "as_called", False):
+            return answer
+        return original(*args, **kwargs)
+    return switch
 
 
 def without_full_mask(model: nn.Module, kwargs: dict) -> dict:
-    """Rule 2: ``kwargs`` without an attention_mask that masks nothing."""
+    """Rule 2: ``kwargs`` without a 2-D attention_mask that masks nothing."""
     mask = kwargs.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.device.type == "meta" or \
-            not is_hf_model(model) or not bool(mask.all()):
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.device.type == "meta" or \
+            mask.is_floating_point() or mask.is_complex() or not is_hf_model(model) or \
+            not bool(mask.all()):
         return kwargs
     return {name: value for name, value in kwargs.items() if name != "attention_mask"}

@@ -266,5 +266,5 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     autocast_state = None if autocast is None else (device_type, autocast)
     kwargs = without_full_mask(model, dict(kwargs or {}))        # as sn.wrap calls the model
     graph = capture(model, example_input, autocast_state, kwargs,
-                    packed_positions=packed_positions(model, kwargs))
+                    packed_positions=packed_positions(model, (), kwargs))
     return plan_graph(graph, policy, budget, strategy, state)

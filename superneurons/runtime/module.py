@@ -133,7 +133,7 @@ class SuperNeuronsModule(nn.Module):
         # every module's mode and every parameter's requires_grad: a graph specializes on both
         # (BatchNorm frozen by eval(), progressive unfreezing)
         parameters = list(self.model.parameters())
-        packed = packed_positions(self.model, kwargs)                    # capture/hf.py Rule 1
+        packed = packed_positions(self.model, args, kwargs)              # capture/hf.py Rule 1
         key = (key, tuple(m.training for m in self.model.modules()),
                tuple(p.requires_grad for p in parameters), autocast, packed)
         if self._retiring:
@@ -277,11 +277,11 @@ class SuperNeuronsModule(nn.Module):
         return plan, Executor(plan, device, self.budget_bytes, model=self.model)
 
     def forward(self, *args, **kwargs):
-        kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
         if self.compute_device is not None:                             # Rule 6
             args, kwargs = _moved_to((args, kwargs), self.compute_device)
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
+        kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
         key, (plan, executor) = self._planned(args, kwargs)
         made = self._unreported.pop(key, {})          # the plan's making, on its first step
         device = executor.device if executor is not None else \
