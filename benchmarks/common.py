@@ -33,7 +33,17 @@ def environment() -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "superneurons": sn.__version__,
+        # HF models' capture depends on it (superneurons/capture/hf.py)
+        "transformers": _version_of("transformers"),
     }
+
+
+def _version_of(package: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def rss_bytes() -> int | None:

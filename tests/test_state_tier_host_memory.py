@@ -47,15 +47,15 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_moves(monkeypatch):
     model = _small()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped = sn.wrap(model, policy="superneurons", state="host", device="cpu")
-    _available(monkeypatch, 1 << 20)
+    _available(monkeypatch, 1 << 10)         # below the gradients alone: certain to not fit
     with pytest.raises(ValueError) as error:
         _train(model, wrapped, steps=1)
     message = str(error.value)
     executor = wrapped._last[1]
     need = first_step_need(executor, model)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert need.gradients == params and need.total > 1 << 20
-    for text in (format_bytes(need.total), format_bytes(1 << 20), "MemAvailable",
+    assert need.gradients == params and need.gradients > 1 << 10
+    for text in (format_bytes(need.total), format_bytes(1 << 10), "MemAvailable",
                  "gradients", "Lower the batch", "state='device'", "more host memory",
                  "not counted: the optimizer's state", format_bytes(2 * params)):
         assert text in message, text
@@ -73,15 +73,18 @@ def test_a_step_that_does_not_fit_is_refused_before_anything_moves(monkeypatch):
     _same(plain, model)
 
 
-def test_one_byte_short_is_refused_and_no_reading_means_no_check(monkeypatch):
+def test_the_cache_estimate_one_byte_short_warns_and_no_reading_means_no_check(monkeypatch):
+    """The Tensor Cache's part is an upper estimate (the pool falls back to smaller chunks and
+    pageable memory): short by it alone, the step is warned about and runs."""
     wrapped = _offloading(_small())
     x = torch.randn(4, 3, 32, 32)
     executor = wrapped.plan_for(x)[1]
     need = first_step_need(executor, wrapped.model)
     assert need.cache > 0 and need.gradients == 0      # state on the device: no host gradients
     _available(monkeypatch, need.total - 1)
-    with pytest.raises(ValueError, match="Tensor Cache"):
+    with pytest.warns(UserWarning, match="Tensor Cache"):
         wrapped(x)
+    assert executor.step_id == 1
     _available(monkeypatch, None)                       # not Linux: no check, no error
     _step(wrapped)
     assert wrapped.stats.offloaded_bytes > 0

@@ -16,21 +16,23 @@ class Progress:
         self.enabled = enabled
         self.began = time.perf_counter()
         self.bar = self.total = None
-        self.done = 0
+        self.done, self.unit = 0, "step"
         self._handler = _Phases(self)
         self._logger = logging.getLogger("superneurons")
 
     def __enter__(self):
         if self.enabled:
-            self._level = self._logger.level
+            # the lines are shown here once, not again by a handler the application configured
+            self._saved = (self._logger.level, self._logger.propagate)
             self._logger.setLevel(logging.INFO)
+            self._logger.propagate = False
             self._logger.addHandler(self._handler)
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
             self._logger.removeHandler(self._handler)
-            self._logger.setLevel(self._level)
+            self._logger.level, self._logger.propagate = self._saved
         self.finish()
 
     def say(self, text: str) -> None:
@@ -62,11 +64,13 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update()
-        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
+        elif self.total is None or self.done == self.total or \
+                self.done % max(1, self.total // 10) == 0:
             # without tqdm: about ten lines a run, not one a step
             shown = ", ".join(f"{k} {v}" for k, v in postfix.items())
-            self.say(f"{self.unit} {self.done}/{self.total}" + (f": {shown}" if shown else ""))
-
+            of = f"/{self.total}" if self.total is not None else ""
+            self.say(f"{self.unit} {self.done}{of}"
+                     + (f": {shown}" if shown else ""))
 
     def finish(self) -> None:
         """End the bar (before a summary is printed)."""

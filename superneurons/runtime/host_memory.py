@@ -9,7 +9,8 @@ Rule 1: wrap(state="host") checks that the model's state fits in host memory bef
         out-of-memory killer, which pinned pages bring on: they cannot be swapped).
 Rule 2: the estimate counts what must be there, not what might be: where it is short (the pool
         pins whole chunks, host Rule 1-2), the pool takes smaller chunks and then pageable
-        memory (host Rule 3). A check that refused steps which run would be worse than none.
+        memory (host Rule 3). A check that refused steps which run would be worse than none:
+        where only the Tensor Cache's part (an upper estimate) does not fit, it warns.
         - state: every tensor not in (pinned) host memory gets a copy, rounded up to a power
           of two where pinned (PyTorch's pinned allocator rounds every request: host Rule 2);
           one tensor's source lives beside its copy until it is replaced (the transient).
@@ -28,6 +29,7 @@ Rule 2: the estimate counts what must be there, not what might be: where it is s
 Rule 3: what is available is /proc/meminfo's MemAvailable (Linux); elsewhere there is no check.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +174,15 @@ def first_step_need(executor, model) -> HostNeed:
 def _check(need: HostNeed, what: str) -> None:
     available = available_host_bytes()
     if available is None or need.total <= available:
+        return
+    certain = max(0, need.state + need.gradients + need.working - need.reusable)
+    if certain <= available:
+        # only the Tensor Cache's estimate is over: it may be (Rule 2: up to 2x with state on
+        # the host), and the pool falls back to smaller chunks and pageable memory
+        warnings.warn(
+            f"superneurons: {what} may need about {format_bytes(need.total)} more host memory "
+            f"and {format_bytes(available)} is available; the Tensor Cache's part of that is "
+            "an upper estimate, so the step runs:\n" + "\n".join(need.lines()), stacklevel=3)
         return
     raise ValueError(
         f"superneurons: {what} needs about {format_bytes(need.total)} more host memory, and "

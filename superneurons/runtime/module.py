@@ -344,6 +344,8 @@ class SuperNeuronsModule(nn.Module):
         state = self.__dict__.copy()
         for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last"):
             del state[name]           # __setstate__ makes them anew (_init_plans)
+        # a process group does not travel: a copy trains alone until wrapped with one again
+        state["_data_parallel"] = None
         return state
 
     def __setstate__(self, state):
