@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import superneurons as sn
+from superneurons.runtime import data_parallel
 
 STEPS = 3
 
@@ -88,10 +89,12 @@ def _train(case, optimizer_name, rank, how, accumulate):
     accumulate: two micro-batches a step, the first inside no_sync() in even steps and synced
     in odd ones (DDP then averages the .grad accumulated so far); None: one."""
     model, batch = CASES[case](rank)
+    # many buckets, each reduced as soon as it fills (in backward, not only at its end)
+    data_parallel.REDUCE_BUCKET_BYTES = 4096 if how == "tier, small buckets" else 25 * 2**20
     if how == "ddp":
         run = DistributedDataParallel(model, find_unused_parameters=case.startswith("unused"))
     else:
-        group = dist.group.WORLD if how == "tier" else None
+        group = dist.group.WORLD if how.startswith("tier") else None
         run = sn.wrap(model, policy="superneurons", state="host", device="cpu",
                       process_group=group)
     optimizer = _optimizer(optimizer_name, model.parameters())
@@ -179,6 +182,7 @@ def test_the_tier_averages_as_ddp_does_bit_for_bit():
     runs = {"resnet sgd micro-batches": ("resnet", "sgd", "tier", "micro"),
             "unused adamw": ("unused", "adamw", "tier", None),
             "unused on one rank sgd": ("unused on one rank", "sgd", "tier", None),
+            "resnet adamw small buckets": ("resnet", "adamw", "tier, small buckets", "micro"),
             "control: no process group": ("unused", "adamw", "alone", None),
             "ddp around a host-state wrap": ("resnet", None, "refused", None)}
     for rank, found in enumerate(_spawn(runs)):

@@ -9,10 +9,10 @@ Rule 1: at wrap, the ranks check that they hold the same parameter shapes, and e
         and buffer is broadcast from the group's rank 0 (DDP's init_sync).
 Rule 2: before a forward, buffers are broadcast from rank 0 where DDP's default
         (forward_sync_buffers) would: when the forward before it ran with grad and synced.
-Rule 3: in a synced backward, each parameter's gradient, once final on the device, is
-        multiplied by 1/world size and summed over the group (all-reduce) before it goes to
-        host memory: DDP's reducer does the same in its buckets (at::mul_out by 1/world, then
-        SUM). A parameter that already holds a gradient (micro-batches without no_sync) has
+Rule 3: in a synced backward, each parameter's gradient, once final on the device, joins a
+        bucket (one dtype, about REDUCE_BUCKET_BYTES); a full bucket is multiplied by 1/world
+        size and summed over the group (one all-reduce) before its gradients go to host
+        memory: DDP's reducer does the same (at::mul_out by 1/world, then SUM). A parameter that already holds a gradient (micro-batches without no_sync) has
         it added first, as AccumulateGrad adds it before DDP reads .grad, and the result
         replaces .grad. With two ranks a sum is one addition, so the result is DDP's bit for
         bit; with more, both leave the order of the sum to the backend.
@@ -32,6 +32,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+# Rule 3: gradients are averaged in buckets of about this size (DDP's bucket_cap_mb default):
+# one collective per bucket, not per parameter (a 10,000-layer ResNet has some 11,000)
+REDUCE_BUCKET_BYTES = 25 * 2**20
 # Rules 1-2: broadcasts in buckets up to this size (DDP's broadcast_bucket_size is 250 MiB): a
 # bucket is one device copy, so a model larger than the device still broadcasts
 BUCKET_BYTES = 256 * 2**20
@@ -114,21 +117,17 @@ class DataParallel:
         order = [p for p in reversed(list(self.model.parameters())) if p.requires_grad]
         return Round(self, order)
 
-    def average(self, host: torch.Tensor, grad) -> torch.Tensor:
-        """Rule 3: the group's mean of ``host``'s gradient; ``grad`` None: this rank has none."""
+    def local(self, host: torch.Tensor, grad) -> torch.Tensor:
+        """Rule 3: this rank's part of ``host``'s gradient; ``grad`` None: it made none."""
         old = host.grad
         if grad is None:          # DDP's bucket: the .grad the parameter holds, or zeros
-            local = old.to(self.device) if old is not None else \
+            return old.to(self.device) if old is not None else \
                 torch.zeros(host.shape, dtype=host.dtype, device=self.device)
-        else:                     # AccumulateGrad: variable.grad += new_grad
-            local = grad if old is None else old.to(self.device) + grad
-        reduced = torch.mul(local, 1.0 / self.world)
-        dist.all_reduce(reduced, group=self.group)
-        return reduced
+        return grad if old is None else old.to(self.device) + grad   # AccumulateGrad adds
 
 
 class Round:
-    """One synced backward's collectives, in the fixed order of Rule 4."""
+    """One synced backward's collectives, in the fixed order of Rule 4, in buckets (Rule 3)."""
 
     def __init__(self, parallel: DataParallel, order: list):
         self.parallel, self.order = parallel, order
@@ -136,10 +135,12 @@ class Round:
         self.waiting: dict = {}          # position -> device gradient, final before its turn
         self.used = [0] * len(order)
         self.next = 0
+        self.bucket: list = []           # (position, parameter, this rank's gradient)
+        self.bucket_bytes = 0
 
     def ready(self, host: torch.Tensor, grad: torch.Tensor) -> list:
         """``host``'s gradient is final here; returns the (parameter, averaged gradient,
-        replaces .grad) whose turn has come."""
+        replaces .grad) a bucket completed."""
         position = self.turn.get(id(host))
         if position is None:
             raise RuntimeError("a parameter that did not require grad when backward began got "
@@ -148,22 +149,47 @@ class Round:
         self.waiting[position] = grad
         done = []
         while self.next in self.waiting:
-            done.append(self._reduce(self.next, self.waiting.pop(self.next)))
+            done += self._add(self.next, self.waiting.pop(self.next))
             self.next += 1
+        return [item[1:] for item in done]
+
+    def _add(self, position: int, grad) -> list:
+        """Into the bucket; a bucket is reduced once full or before one of another dtype."""
+        host = self.order[position]
+        local = self.parallel.local(host, grad)
+        done = self._flush() if self.bucket and self.bucket[0][2].dtype != local.dtype else []
+        self.bucket.append((position, host, local))
+        self.bucket_bytes += local.numel() * local.element_size()
+        if self.bucket_bytes >= REDUCE_BUCKET_BYTES:
+            done += self._flush()
         return done
 
-    def _reduce(self, position: int, grad) -> tuple:
-        host = self.order[position]
-        return host, self.parallel.average(host, grad), host.grad is not None
+    def _flush(self) -> list:
+        """Rule 3 for a bucket: times 1/world and summed over the group, as one collective."""
+        bucket, self.bucket, self.bucket_bytes = self.bucket, [], 0
+        if not bucket:
+            return []
+        flat = torch.cat([local.reshape(-1) for _, _, local in bucket])
+        flat.mul_(1.0 / self.parallel.world)
+        dist.all_reduce(flat, group=self.parallel.group)
+        done, offset = [], 0
+        for position, host, local in bucket:
+            averaged = flat[offset:offset + local.numel()].view_as(local)
+            done.append((position, host, averaged, host.grad is not None))
+            offset += local.numel()
+        return done
 
     def finish(self) -> list:
         """Backward ended: the parameters not reduced yet, then who used what (Rule 4); returns
         those of them some rank used."""
         start = self.next          # differs between ranks that used different parameters
-        rest = [self._reduce(i, self.waiting.pop(i, None)) for i in range(start,
-                                                                          len(self.order))]
+        done = []
+        for position in range(start, len(self.order)):
+            done += self._add(position, self.waiting.pop(position, None))
+        done += self._flush()
         # every rank sends the whole vector: one collective of one size everywhere
         used = torch.tensor(self.used, dtype=torch.int32, device=self.parallel.device)
         dist.all_reduce(used, group=self.parallel.group)
+        counts = used.tolist()
         self.next = len(self.order)
-        return [item for item, count in zip(rest, used.tolist()[start:]) if count > 0]
+        return [item[1:] for item in done if item[0] < start or counts[item[0]] > 0]
