@@ -57,9 +57,16 @@ _TRACED_FLAGS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tra
 def _named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """The call's arguments by the names of the model's forward (positional ones included)."""
     try:
-        return dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return dict(kwargs)
+    named = {}
+    for name, value in bound.arguments.items():
+        if bound.signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)                   # forward(self, **batch): the batch's names
+        else:
+            named[name] = value
+    return named
 
 
 def _passes_mask(named: dict) -> bool:
