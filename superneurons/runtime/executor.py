@@ -528,6 +528,8 @@ class Executor:
     def release(self) -> None:
         self.records, self.pending = {}, []
         self.pool.clear()
+        if self.tier is not None:
+            self.tier.ahead.clear()        # state copies fetched for a layer that never ran
 
     # -- lifetime (module Rule 5) ----------------------------------------------------------------
     @property

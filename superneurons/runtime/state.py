@@ -329,6 +329,8 @@ class StateTier:
                 else:
                     host.grad += target
         self.copies, self.sent = [], 0
+        # what a partial backward fetched ahead for a step it did not reach: not kept past it
+        self.ahead.clear()
         self.reading, self.reading_step = {}, None
         self.finishing = False
 
