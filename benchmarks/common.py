@@ -24,6 +24,19 @@ import superneurons as sn
 from superneurons import models
 
 
+def torch_settings(deterministic: bool = False) -> None:
+    """What every run here shares: expandable segments, no TF32, and with ``deterministic`` the
+    deterministic kernels (cuBLAS reads its workspace setting at its first handle, so before any
+    CUDA work)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def environment() -> dict:
     cuda = torch.cuda.is_available()
     return {

@@ -22,13 +22,11 @@ STEPS = 3
 WAYS = ("plain", "device_superneurons", "host_liveness", "host_superneurons")
 
 
-def _setup(device: str):
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+def _setup():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import torch_settings
+    torch_settings(deterministic=True)
     import torch
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     return torch
 
 
@@ -157,8 +155,7 @@ def main():
     args = parser.parse_args()
     global ATTENTION
     ATTENTION = args.attention
-    torch = _setup(args.device)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch = _setup()
     from common import environment, write
     rows = {name: case(torch, name, args.device) for name in args.models}
     suffix = "" if args.attention == "sdpa" else f"_{args.attention}"

@@ -29,15 +29,9 @@ LINK_BYTES_PER_S = 55e9
 
 
 def _setup(deterministic: bool = False):
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    from common import torch_settings
+    torch_settings(deterministic)
     import torch
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     return torch
 
 

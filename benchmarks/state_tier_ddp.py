@@ -38,16 +38,10 @@ SAFE_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 
 
 def _setup(rank, world, init_file, cuda, deterministic=False):
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    from common import torch_settings
+    torch_settings(deterministic)
     import torch
     import torch.distributed as dist
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -202,13 +196,19 @@ def _timed_steps(torch, dist, device, step, row, world, batch, stats=None):
     row["images_per_s"] = world * batch * len(steady) / sum(r["seconds"] for r in steady)
 
 
-def throughput_rank(rank, world, init_file, cuda, options):
+def _deep_rank(rank, world, init_file, cuda, options):
+    """A throughput rank's start: its process group, the cap, the deep model and its batch."""
     torch, dist, device = _setup(rank, world, init_file, cuda)
-    import superneurons as sn
     if cuda:
         _cap(torch, device)
     model, x, y, row = _deep(torch, rank, options["n3"], options["batch"], options["image"],
                              device)
+    return torch, dist, device, model, x, y, row
+
+
+def throughput_rank(rank, world, init_file, cuda, options):
+    torch, dist, device, model, x, y, row = _deep_rank(rank, world, init_file, cuda, options)
+    import superneurons as sn
     began = time.perf_counter()
     group = dist.group.WORLD if world > 1 else None
     wrapped = sn.wrap(model, policy="superneurons", budget=BUDGET if cuda else None,
@@ -229,14 +229,10 @@ def throughput_rank(rank, world, init_file, cuda, options):
 
 
 def fsdp_rank(rank, world, init_file, cuda, options):
-    torch, dist, device = _setup(rank, world, init_file, cuda)
+    torch, dist, device, model, x, y, row = _deep_rank(rank, world, init_file, cuda, options)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from common import CheckpointBlocks, _Checkpointed
-    if cuda:
-        _cap(torch, device)
-    model, x, y, row = _deep(torch, rank, options["n3"], options["batch"], options["image"],
-                             device)
     variant = options["variant"]
     row.update(world=world, variant=variant)
     began = time.perf_counter()
