@@ -77,8 +77,9 @@ def _passes_mask(named: dict) -> bool:
 def packed_positions(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Rule 1: whether a call's own position_ids pack several sequences in a row, as the model
     would find when it runs (only without a mask, as it looks only then)."""
-    if not any(isinstance(a, torch.Tensor) for a in (*args, kwargs.get("position_ids"))):
-        return False                              # no positions this call could pass
+    if "transformers.masking_utils" not in sys.modules or \
+            not any(isinstance(a, torch.Tensor) for a in (*args, kwargs.get("position_ids"))):
+        return False          # every step: no binding of the call where nothing could apply
     named = _named(model, args, kwargs)
     positions = named.get("position_ids")
     if not isinstance(positions, torch.Tensor) or positions.device.type == "meta" or \
