@@ -20,8 +20,8 @@ Rule 2: the estimate counts what must be there, not what might be: where it is s
         - Tensor Cache: at its fullest step, the bytes the plan's managed tensors would hold
           beyond the pool's room (the executor's own allowance, its first-step margin
           included) with all of them on the device; at most everything it may offload
-          (Plan.offloaded_bytes). Measured on the zoo's ResNets on the CPU: within 3% of the
-          pool's peak with state on the device, up to 2x over it with state on the host.
+          (Plan.offloaded_bytes). An upper estimate: the tests hold it within 0.8-1.25x of
+          what the pool takes with state on the device; with state on the host it runs higher.
         - less what PyTorch's pinned allocator holds free for reuse (a dropped plan's
           gradient targets, host Rule 5's cache): MemAvailable does not count those pages.
         The optimizer's state is the user's, made at its first step() after this check: it is
@@ -177,7 +177,7 @@ def _check(need: HostNeed, what: str) -> None:
         return
     certain = max(0, need.state + need.gradients + need.working - need.reusable)
     if certain <= available:
-        # only the Tensor Cache's estimate is over: it may be (Rule 2: up to 2x with state on
+        # only the Tensor Cache's estimate is over: it may be (Rule 2: higher with state on
         # the host), and the pool falls back to smaller chunks and pageable memory
         warnings.warn(
             f"superneurons: {what} may need about {format_bytes(need.total)} more host memory "
