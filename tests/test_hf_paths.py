@@ -173,3 +173,20 @@ def test_transformers_own_functions_are_untouched_outside_an_export():
     model(**_calls()["no mask"]).loss.backward()
     packed = _calls()["packed positions"]["position_ids"]
     assert masking.find_packed_sequence_indices(packed) is not None
+
+
+@pytest.mark.xfail(strict=True, reason="known: Qwen3's per-head q_norm weight gradients differ from "
+                   "plain PyTorch's (fp32 and bf16; superneurons, recompute, and offload with "
+                   "state on the host), before capture/hf.py as after; cause not found")
+def test_qwen3_per_head_norms_match_plain():
+    def build():
+        torch.manual_seed(0)
+        config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=8,
+                                          max_position_embeddings=64, use_cache=False)
+        return transformers.Qwen3ForCausalLM(config).train()
+    kwargs = _calls()["padded mask"]
+    plain = _train(lambda m: m, kwargs, build=build)
+    _assert_same(plain, _train(lambda m: sn.wrap(m, policy="recompute", budget=None), kwargs,
+                               build=build))
