@@ -176,8 +176,8 @@ def test_transformers_own_functions_are_untouched_outside_an_export():
 
 
 @pytest.mark.xfail(strict=True, reason="known: Qwen3's per-head q_norm weight gradients differ from "
-                   "plain PyTorch's (fp32 and bf16; superneurons, recompute, and offload with "
-                   "state on the host), before capture/hf.py as after; cause not found")
+                   "plain PyTorch's (bf16: superneurons, recompute, offload with state on the "
+                   "host; fp32: recompute), before capture/hf.py as after; cause not found")
 def test_qwen3_per_head_norms_match_plain():
     def build():
         torch.manual_seed(0)
