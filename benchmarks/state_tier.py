@@ -4,6 +4,7 @@ ResNet and a decoder, each case in a fresh process under the 12 GiB cap.
     python benchmarks/state_tier.py OUT_DIR exact            # plain vs host state, and a control
     python benchmarks/state_tier.py OUT_DIR deep [--n3 3323] [--batch 16]
     python benchmarks/state_tier.py OUT_DIR decoder [--decoder HIDDEN LAYERS ...] [--fused]
+    python benchmarks/state_tier.py OUT_DIR anchor [--decoder HIDDEN LAYERS ...] [--bf16-weights]
 
 exact: small models nobody here needed to write (the zoo's ResNet, HF Llama and GPT-2 from small
 configs) trained 3 steps plainly on the GPU and wrapped with their state on the host, with
@@ -11,7 +12,10 @@ deterministic kernels; a second plain run is the control. Compared: losses, para
 gradients, optimizer state. deep: a bottleneck ResNet [3, 4, n3, 3] at batch 16 (n3 3323:
 10,001 layers), SGD with momentum over host tensors, 3 steps; per step seconds, peak allocated,
 bytes moved, and the link-bound minimum (bytes each way over LINK_BYTES_PER_S). decoder: an HF
-Llama built on the host, bf16 autocast, AdamW on the host, tokens per second.
+Llama built on the host, bf16 autocast, AdamW on the host, tokens per second. anchor: the peers'
+way for the same decoder (the issue's anchor): HF gradient checkpointing per layer, weights on the
+device (fp32, or bf16 with --bf16-weights), torchao's CPUOffloadOptimizer (AdamW on the host,
+gradients offloaded in backward), bf16 autocast; torchao travels as a wheel.
 """
 
 import argparse
@@ -219,16 +223,11 @@ def deep_case(n3: int, batch: int) -> dict:
 def decoder_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch,
                  fused=0) -> dict:
     torch = _setup()
-    import transformers as tf
     import superneurons as sn
     from common import cap_memory
     cap_memory(CAP_GIB)
-    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                            num_hidden_layers=layers, num_attention_heads=heads,
-                            num_key_value_heads=kv_heads, max_position_embeddings=seq,
-                            use_cache=False)
     began = time.perf_counter()
-    model = tf.LlamaForCausalLM(config)                      # fp32 master weights on the host
+    model = _llama(hidden, layers, intermediate, heads, kv_heads, vocab, seq)  # fp32, on the host
     row = {"config": dict(hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
                           kv_heads=kv_heads, vocab=vocab, seq=seq, batch=batch),
            "params": sum(p.numel() for p in model.parameters()),
@@ -264,6 +263,67 @@ def decoder_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batc
     return row
 
 
+def _llama(hidden, layers, intermediate, heads, kv_heads, vocab, seq):
+    import transformers as tf
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                            num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, max_position_embeddings=seq,
+                            use_cache=False)
+    return tf.LlamaForCausalLM(config)
+
+
+def anchor_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch,
+                bf16_weights=0) -> dict:
+    torch = _setup()
+    from torchao.optim import CPUOffloadOptimizer
+    from common import cap_memory
+    cap_memory(CAP_GIB)
+    began = time.perf_counter()
+    if bf16_weights:       # built in bf16: no fp32 copy of a model the host may barely hold
+        torch.set_default_dtype(torch.bfloat16)
+    model = _llama(hidden, layers, intermediate, heads, kv_heads, vocab, seq)
+    torch.set_default_dtype(torch.float32)
+    row = {"config": dict(hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
+                          kv_heads=kv_heads, vocab=vocab, seq=seq, batch=batch),
+           "params": sum(p.numel() for p in model.parameters()),
+           "weights": "bf16" if bf16_weights else "fp32", "build_s": time.perf_counter() - began,
+           "system": "HF checkpointing per layer + torchao CPUOffloadOptimizer(AdamW, fused, "
+                     "offload_gradients)"}
+    print(json.dumps(row), flush=True)
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    try:
+        model.to("cuda")
+        model.gradient_checkpointing_enable()
+        model.train()
+        optimizer = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
+                                        offload_gradients=True, fused=True, lr=1e-5)
+        rows = []
+        for _ in range(STEPS):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            began = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            rows.append({"seconds": time.perf_counter() - began,
+                         "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                         "peak_reserved_bytes": torch.cuda.max_memory_reserved()})
+            print(json.dumps(rows[-1]), flush=True)
+        row["steps"] = rows
+        steady = rows[1:]
+        row["tokens_per_s"] = batch * seq * len(steady) / sum(s["seconds"] for s in steady)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        row["error"] = str(error).splitlines()[0][:400]
+    row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return row
+
+
 # -- driver -----------------------------------------------------------------------------------
 def _child(argv: list) -> None:
     kind = argv[0]
@@ -271,6 +331,8 @@ def _child(argv: list) -> None:
         row = exact_case(argv[1])
     elif kind == "deep":
         row = deep_case(int(argv[1]), int(argv[2]))
+    elif kind == "anchor":
+        row = anchor_case(*map(int, argv[1:]))
     else:
         row = decoder_case(*map(int, argv[1:]))
     print("RESULT " + json.dumps(row), flush=True)
@@ -302,10 +364,11 @@ def main():
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("kind", choices=("exact", "deep", "decoder"))
+    parser.add_argument("kind", choices=("exact", "deep", "decoder", "anchor"))
     parser.add_argument("--n3", type=int, default=3323)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--fused", action="store_true", help="decoder: fused AdamW on the host")
+    parser.add_argument("--bf16-weights", action="store_true", help="anchor: bf16 weights")
     parser.add_argument("--decoder", type=int, nargs=7, default=[2048, 22, 5632, 32, 4, 32000, 2048],
                         metavar=("HIDDEN", "LAYERS", "INTERMEDIATE", "HEADS", "KV_HEADS", "VOCAB",
                                  "SEQ"))
@@ -318,6 +381,9 @@ def main():
         rows = [_in_child(["exact", name], args.timeout) for name in args.models]
     elif args.kind == "deep":
         rows = [_in_child(["deep", args.n3, args.batch], args.timeout)]
+    elif args.kind == "anchor":
+        rows = [_in_child(["anchor", *args.decoder, args.batch, int(args.bf16_weights)],
+                          args.timeout)]
     else:
         rows = [_in_child(["decoder", *args.decoder, args.batch, int(args.fused)], args.timeout)]
     write(os.path.join(args.out, f"state_tier_{args.kind}.json"),
