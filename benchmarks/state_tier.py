@@ -163,7 +163,7 @@ def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         if snapshot and index == STEPS - 1:
-            torch.cuda.memory._record_memory_history(max_entries=400_000)
+            torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         began = time.perf_counter()
         step_fn()
         torch.cuda.synchronize()
