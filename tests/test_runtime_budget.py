@@ -384,3 +384,23 @@ def test_the_backward_step_of_a_layer_with_scratch_is_entered(monkeypatch):
     lrn = plan.graph.layer("2")
     assert plan.actions[plan.graph.values[lrn.outputs[0]].storage] is sn.planner.Action.RECOMPUTE
     assert executor.bwd(lrn.index) in entered
+
+
+def test_forward_leaves_room_for_the_next_layer():
+    """After each forward layer the pool makes room for the next one, which allocates before the
+    pool can act again: its outputs outside the pool and those that enter it."""
+    budget = (floor("superneurons") + floor("recompute")) // 2
+    wrapped = sn.wrap(small_resnet(), policy="superneurons", budget=budget)
+    plan, executor = wrapped.plan_for(X)
+    unmanaged, created = plan.unmanaged_per_step(), plan.managed_created_per_step()
+    over = []
+    make_room = executor.pool.make_room
+
+    def checked(step, forward, limit=None):
+        make_room(step, forward, limit)
+        if forward and limit != 0 and step < executor.num_layers:
+            held = executor.pool.device_bytes + unmanaged[step] + created[step]
+            over.append(held - budget)
+    executor.pool.make_room = checked
+    F.nll_loss(wrapped(X), Y).backward()
+    assert over and max(over) <= 0

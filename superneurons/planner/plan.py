@@ -105,6 +105,16 @@ class Plan:
         managed, _ = live_per_step([b for b in self.buffers if b.managed], len(self.steps))
         return [step.live_bytes - moved for step, moved in zip(self.steps, managed)]
 
+    def managed_created_per_step(self) -> list:
+        """Per step, the bytes of Tensor Pool buffers that step creates: the room the pool must
+        have left before it runs."""
+        created = [0] * len(self.steps)
+        for buffer in self.buffers:
+            if buffer.managed:
+                for first, _ in buffer.intervals:
+                    created[first] += buffer.nbytes
+        return created
+
     def replay_inputs(self) -> dict:
         """Per segment, the inputs some replay reads; those no replay reaches can go early."""
         return {s.index: self.needs.replay_inputs(s) for s in self.segments}

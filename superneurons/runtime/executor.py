@@ -150,6 +150,7 @@ class Executor:
         self._liveness(graph)
         self._replay_liveness(graph)
         self.unmanaged = plan.unmanaged_per_step()
+        self.pool_created = plan.managed_created_per_step()
         self.unmanaged_max = _RangeMax(self.unmanaged)
         self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
@@ -237,6 +238,12 @@ class Executor:
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
+    def _room_for_next(self, position: int) -> int:
+        """The pool's room after forward step ``position``: the next layer allocates before the
+        pool can act again, so what it adds outside the pool and into it is left free now."""
+        following = min(position + 1, len(self.pool_created) - 1)
+        return self.allowance(position, following) - self.pool_created[following]
+
     def _allocated(self) -> int:
         """The allocator's reading while calibrating, its host time counted (StepStats)."""
         began = time.perf_counter()
@@ -308,7 +315,9 @@ class Executor:
                     self._resolve(layer, position, inputs, out)
                 for node in self.free_after[position]:
                     env.pop(node, None)
-                self.pool.make_room(position, forward=True)
+                # room for the next layer: what only this layer read may leave now
+                self.pool.make_room(position + 1, forward=True,
+                                    limit=self._room_for_next(position))
                 self._account(position)
         self.layer = self.segment = None
         if self.tier is not None:
