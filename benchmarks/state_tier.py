@@ -285,18 +285,14 @@ def anchor_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch
     from torchao.optim import CPUOffloadOptimizer
     from common import cap_memory
     cap_memory(CAP_GIB)
-    began = time.perf_counter()
-    if bf16_weights:       # built in bf16: no fp32 copy of a model the host may barely hold
-        torch.set_default_dtype(torch.bfloat16)
-    model = _llama(hidden, layers, intermediate, heads, kv_heads, vocab, seq)
-    torch.set_default_dtype(torch.float32)
     row = {"config": dict(hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
                           kv_heads=kv_heads, vocab=vocab, seq=seq, batch=batch),
-           "params": sum(p.numel() for p in model.parameters()),
-           "weights": "bf16" if bf16_weights else "fp32", "build_s": time.perf_counter() - began,
+           "weights": "bf16" if bf16_weights else "fp32",
            "system": "HF checkpointing per layer + torchao CPUOffloadOptimizer(AdamW, fused, "
                      "offload_gradients)"}
-    print(json.dumps(row), flush=True)
+    with torch.device("meta"):
+        row["params"] = sum(p.numel() for p in _llama(hidden, layers, intermediate, heads,
+                                                      kv_heads, vocab, seq).parameters())
     ids = torch.randint(0, vocab, (batch, seq), device="cuda")
 
     def step():
@@ -306,7 +302,15 @@ def anchor_case(hidden, layers, intermediate, heads, kv_heads, vocab, seq, batch
         optimizer.step()
         optimizer.zero_grad()
     try:
-        model.to("cuda")
+        began = time.perf_counter()
+        # built where it trains, in its own dtype: its weights on the device are the peer's way
+        # (and a bf16 build on the host is slower than the step itself)
+        torch.set_default_dtype(torch.bfloat16 if bf16_weights else torch.float32)
+        with torch.device("cuda"):
+            model = _llama(hidden, layers, intermediate, heads, kv_heads, vocab, seq)
+        torch.set_default_dtype(torch.float32)
+        row["build_s"] = time.perf_counter() - began
+        print(json.dumps(row), flush=True)
         model.gradient_checkpointing_enable()
         model.train()
         optimizer = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
