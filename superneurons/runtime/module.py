@@ -35,6 +35,7 @@ Rule 7: data parallelism with state="host" is the wrapper's own (process_group=,
         collective (DDP reads _ddp_params_and_buffers_to_ignore first thing).
 """
 
+import itertools
 import logging
 import time
 import warnings
@@ -57,6 +58,7 @@ from .executor import Executor, foreign_bytes
 from .host_memory import check_first_step, check_state_fits
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
+from .structure import Structure
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
 # policies whose untouched run is a decision that the step fits (Rule 2), not the policy itself
@@ -80,6 +82,7 @@ class SuperNeuronsModule(nn.Module):
                  process_group=None):
         super().__init__()
         self.model = model
+        self.structure = Structure(model)                               # Rule 1's key
         self.policy = parse_policy(policy)
         self.strategy = parse_strategy(strategy)
         self.budget_bytes = parse_bytes(budget)
@@ -130,12 +133,9 @@ class SuperNeuronsModule(nn.Module):
         tensors, key = _call_key(args, kwargs)
         device = self._device(tensors)
         autocast = autocast_state(device.type)
-        # every module's mode and every parameter's requires_grad: a graph specializes on both
-        # (BatchNorm frozen by eval(), progressive unfreezing)
-        parameters = list(self.model.parameters())
+        parameters = self.structure.parameters
         packed = packed_positions(self.model, args, kwargs)              # capture/hf.py Rule 1
-        key = (key, tuple(m.training for m in self.model.modules()),
-               tuple(p.requires_grad for p in parameters), autocast, packed)
+        key = (key, self.structure.key(), autocast, packed)
         if self._retiring:
             self._close_idle()
         planned = self._executors.get(key)
@@ -217,7 +217,7 @@ class SuperNeuronsModule(nn.Module):
         with state on the host the device chosen (Rule 6)."""
         if self.compute_device is not None:
             return self.compute_device
-        for state in (*self.model.parameters(), *self.model.buffers()):
+        for state in itertools.chain(self.model.parameters(), self.model.buffers()):
             return state.device
         return tensors[0].device if tensors else torch.device("cpu")
 
