@@ -157,20 +157,22 @@ def exact_case(name: str) -> dict:
 def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
     from common import rss_bytes
     rows = []
-    # a diagnosis: the allocator's history of the last step, for its peak's tensors
+    # a diagnosis: the allocator's history of the steps after the first, for the peak's tensors
     snapshot = os.environ.get("STATE_TIER_SNAPSHOT")
     for index in range(STEPS):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        if snapshot and index == STEPS - 1:
+        if snapshot and index == 1:
             torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         began = time.perf_counter()
-        step_fn()
-        torch.cuda.synchronize()
+        try:
+            step_fn()
+            torch.cuda.synchronize()
+        finally:        # the steps after the first, or up to the out-of-memory error
+            if snapshot and (index == STEPS - 1 or sys.exc_info()[0] is not None):
+                torch.cuda.memory._dump_snapshot(snapshot)
+                torch.cuda.memory._record_memory_history(enabled=None)
         seconds = time.perf_counter() - began
-        if snapshot and index == STEPS - 1:
-            torch.cuda.memory._dump_snapshot(snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
         stats = wrapped.stats
         peak = torch.cuda.max_memory_allocated()
         moved_cache = stats.offloaded_bytes + stats.prefetched_bytes

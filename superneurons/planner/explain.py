@@ -90,7 +90,10 @@ def explain(plan, per_layer=None) -> str:
     rows.append(f"{offloaded} storages may move to host memory "
                 f"({format_bytes(plan.offloaded_bytes)}), moved only when the budget needs room")
     if plan.state == "host":
-        rows.append(f"model state on the host: {format_bytes(plan.state_bytes_moved)} streamed a "
-                    "step (parameters to the device for forward, replays and backward; "
-                    "gradients back)")
+        rows.append(f"model state on the host: {format_bytes(plan.resident_state_bytes)} kept "
+                    f"resident on the device ({len(plan.resident_state)} tensors, in the room "
+                    f"the budget leaves), {format_bytes(plan.streamed_state_bytes)} streamed; "
+                    f"{format_bytes(plan.state_bytes_moved)} moved a step (streamed state to "
+                    "the device for forward, replays and backward, trained resident parameters "
+                    "once, gradients back)")
     return "\n".join(rows)

@@ -12,8 +12,9 @@ from .policy import Policy, Strategy, find_segments, parse_policy, parse_strateg
     route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
-from .state import STATES, layer_state, state_buffers, state_bytes_moved
-from .trim import bytes_to_move, replay_only_what_the_budget_needs
+from .state import STATES, choose_resident, layer_state, state_buffers, state_bytes_moved, \
+    state_tensors
+from .trim import _SLACK, bytes_to_move, replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
 __all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
@@ -57,6 +58,11 @@ class Plan:
     needs: SegmentNeeds = field(repr=False)     # when and how far each segment replays
     state: str = "device"     # where parameters, gradients and buffers live (planner/state.py)
     state_bytes_moved: int = 0  # with state on the host: bytes of state over the link a step
+    # with state on the host: the state kept on the device (planner/state.py), by name, its
+    # bytes (live at every step), and the bytes of the state streamed instead
+    resident_state: tuple = field(default=(), repr=False)
+    resident_state_bytes: int = 0
+    streamed_state_bytes: int = 0
 
     @property
     def route(self) -> list:
@@ -69,7 +75,7 @@ class Plan:
 
     @property
     def resident_bytes(self) -> int:
-        return self.graph.resident_bytes if self.state == "device" else 0
+        return self.graph.resident_bytes if self.state == "device" else self.resident_state_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -97,7 +103,8 @@ class Plan:
         if budget is None:
             raise ValueError("bytes_to_move needs a budget: this plan was made without one")
         keep = _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
-                      self.strategy, budget, list(self.segments), self.state)
+                      self.strategy, budget, list(self.segments), self.state,
+                      self.resident_state)
         return bytes_to_move(keep, budget) + self.state_bytes_moved
 
     def unmanaged_per_step(self) -> list:
@@ -144,6 +151,9 @@ class Plan:
             "budget_bytes": self.budget_bytes, "peak_bytes": self.peak_bytes,
             "resident_bytes": self.resident_bytes, "max_layer_bytes": self.max_layer_bytes,
             "state": self.state, "state_bytes_moved": self.state_bytes_moved,
+            "resident_state_bytes": self.resident_state_bytes,
+            "resident_state_count": len(self.resident_state),
+            "streamed_state_bytes": self.streamed_state_bytes,
             "offloaded_bytes": self.offloaded_bytes,
             "num_layers": len(self.order), "num_extra_computations": self.num_extra_computations,
             "steps": [{"step": s.index, "phase": s.phase, "layer": s.layer,
@@ -152,19 +162,25 @@ class Plan:
         }
 
     def __str__(self) -> str:
+        state = "" if self.state == "device" else (
+            f"; state on the host: {len(self.resident_state)} tensors resident, "
+            f"{format_bytes(self.streamed_state_bytes)} streamed, "
+            f"{format_bytes(self.state_bytes_moved)} moved a step")
         return (f"Plan({self.policy}, {len(self.order)} layers, peak {format_bytes(self.peak_bytes)}"
                 f", l_peak {format_bytes(self.max_layer_bytes)}, resident "
-                f"{format_bytes(self.resident_bytes)})")
+                f"{format_bytes(self.resident_bytes)}{state})")
 
 
 def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts, policy: Policy,
            strategy: Strategy, budget: int | None, segments: list | None = None,
-           state: str = "device") -> Plan:
+           state: str = "device", resident: tuple = ()) -> Plan:
+    """``resident``: with state on the host, the names of the state kept on the device."""
     if segments is None and policy.recomputes and policy.offloads:
         # policy Rule 7 only where its stored values lower the peak (ResNets: yes; DenseNets: no,
         # and DenseNet-BC 2902 would send 270 GiB a step to the host for them)
         def build(segments: list) -> Plan:
-            return _build(graph, order, timeline, costs, policy, strategy, budget, segments, state)
+            return _build(graph, order, timeline, costs, policy, strategy, budget, segments, state,
+                          resident)
         with_rule_7 = find_segments(graph, order, strategy, costs, offloads=True)
         without = find_segments(graph, order, strategy, costs)
         if with_rule_7 == without:                  # Rule 7 stored nothing: one plan to build
@@ -177,21 +193,27 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
     actions = storage_actions(graph, policy, segment_of)
     needs = SegmentNeeds(graph, timeline, segments, actions)
     buffers = predict_buffers(graph, timeline, policy, actions, segments, needs)
-    resident, moved = graph.resident_bytes, 0
+    held, moved, streamed = graph.resident_bytes, 0, 0      # on the device: all of it resident
     if state == "host":
-        states = layer_state(graph)
+        tensors, chosen = state_tensors(graph), frozenset(resident)
+        states = layer_state(graph, tensors, chosen)
         buffers += state_buffers(graph, timeline, segments, needs, states)
-        resident, moved = 0, state_bytes_moved(segments, needs, states)
+        moved = state_bytes_moved(segments, needs, states, tensors, chosen)
+        held = sum(t.nbytes for t in tensors if t.name in chosen)
+        streamed = sum(t.nbytes for t in tensors if t.name not in chosen)
+    else:
+        resident = ()
     live_bytes, live_count = live_per_step(buffers, timeline.num_steps)
     n = len(order)
     steps = tuple(
         Step(k, "forward" if k < n else "backward",
              graph.layers[order[k] if k < n else order[2 * n - 1 - k]].name,
-             live_bytes[k] + resident, live_count[k])
+             live_bytes[k] + held, live_count[k])
         for k in range(2 * n))
     extra = recompute_counts(segments, needs) if segments else {}
     return Plan(policy, strategy, budget, graph, tuple(order), timeline, costs, tuple(segments),
-                tuple(actions), tuple(buffers), steps, extra, needs, state, moved)
+                tuple(actions), tuple(buffers), steps, extra, needs, state, moved,
+                tuple(resident), held if resident else 0, streamed)
 
 
 def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
@@ -229,7 +251,28 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
         if policy is not Policy.SUPERNEURONS:
             smallest = build(Policy.SUPERNEURONS)
         _raise_over_budget(result, budget, smallest)
+    if budget is not None and state == "host":
+        result = with_resident_state(result, budget)
     return result
+
+
+def with_resident_state(plan: Plan, budget: int) -> Plan:
+    """``plan`` with the state that fits in the room its budget leaves kept on the device
+    (planner/state.py). The room is what the plan the budget chose leaves unused, so its
+    activations, replays and offloads stay as they are: resident state adds its bytes to every
+    step and only takes transient buffers away. _SLACK's 3% of the budget stays spare, as
+    trim.py keeps it: it is for what the byte model misses (allocator rounding, workspaces),
+    and copies parked in it would turn a plan that moves nothing into one whose pool evicts
+    every step, costing more over the link than they save."""
+    room = int(_SLACK * budget) - plan.peak_bytes
+    if room <= 0:
+        return plan
+    chosen = choose_resident(state_tensors(plan.graph), list(plan.segments), plan.needs,
+                             plan.timeline, room)
+    if not chosen:
+        return plan
+    return _build(plan.graph, list(plan.order), plan.timeline, plan.costs, plan.policy,
+                  plan.strategy, budget, list(plan.segments), plan.state, chosen)
 
 
 def parse_state(state) -> str:

@@ -268,6 +268,9 @@ class Executor:
         model returns it."""
         self.step_id += 1
         self._reset_stats()
+        if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
+            self.tier.begin_step([self._named_state(name)
+                                  for name in self.plan.resident_state])
         self._read_state()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.records, self.pending = {}, []
@@ -278,6 +281,8 @@ class Executor:
         if self.device.type == "cuda" and self.reads_allocator:
             self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
                                                state_on_device=self.tier is None)
+            if self.tier is not None:          # resident state the plan counts (state Rule 7)
+                self.foreign_bytes = max(0, self.foreign_bytes - self.tier.kept_bytes())
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0
@@ -288,8 +293,6 @@ class Executor:
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = self._state(node)
-        if self.tier is not None:
-            self.tier.begin_step()
         with saved_tensors_hooks(self._pack, self._unpack):
             for position, layer_index in enumerate(self.plan.order):
                 layer = self.graph.layers[layer_index]
@@ -480,6 +483,11 @@ class Executor:
         """A get_attr node's object, read from its owner now (state_owner)."""
         return operator.attrgetter(node.target)(self.state_owner[node])
 
+    def _named_state(self, name: str) -> torch.Tensor:
+        """The state tensor the plan names (planner/state.py), read now as _state reads: the
+        model's own, else the graph's (constants)."""
+        return operator.attrgetter(name)(self.model if _has_path(self.model, name) else self.gm)
+
     def replay(self, record: SegmentRecord, last: int, wanted: set) -> None:
         """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""
         segment = record.segment
@@ -538,7 +546,8 @@ class Executor:
         self.records, self.pending = {}, []
         self.pool.clear()
         if self.tier is not None:
-            self.tier.ahead.clear()        # state copies fetched for a layer that never ran
+            # state copies fetched for a layer that never ran, and resident ones (state Rule 7)
+            self.tier.release()
 
     # -- lifetime (module Rule 5) ----------------------------------------------------------------
     @property

@@ -165,7 +165,10 @@ def first_step_need(executor, model) -> HostNeed:
         need.gradients = trainable_bytes(model, pin)
     need.cache, need.cache_at_most = cache_need(executor)
     if device.type == "cpu":
-        need.working = max(0, executor.plan.peak_bytes - executor.plan.resident_bytes)
+        # state on the device is the model's own, already here; resident copies of state on
+        # the host (state.py Rule 7) are new memory
+        held = executor.plan.resident_bytes if executor.tier is None else 0
+        need.working = max(0, executor.plan.peak_bytes - held)
     if pin:
         need.reusable = reusable_pinned_bytes()
     return need

@@ -20,7 +20,9 @@ Rule 4: no grad (evaluation) runs the model untouched, except with state on the 
 Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
         memory and streams them through the device layer by layer (state.py); the model is run
         on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
-        are moved there. Capture sees the model as on ``device`` (export.py Rule 3).
+        are moved there. Capture sees the model as on ``device`` (export.py Rule 3). Only the
+        plan about to run (or be made) keeps resident state on the device (state.py Rule 7):
+        another plan's copies would hold memory this one's budget does not count.
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
@@ -205,6 +207,15 @@ class SuperNeuronsModule(nn.Module):
             "keeps its host memory) or pad inputs to fewer shapes",
             stacklevel=6)             # the user's call: through forward and nn.Module's call
 
+    def _keep_state_of(self, executor) -> None:
+        """Rule 6: drop the resident state copies of every plan but ``executor``'s."""
+        if self.state != "host":
+            return
+        for other in (*(e for _, e in self._executors.values()),
+                      *(e for _, e in self._fallbacks.values()), *self._retiring):
+            if other is not None and other is not executor:
+                other.tier.release()
+
     def _close_idle(self) -> None:
         still = [executor for executor in self._retiring if executor.in_flight]
         for executor in self._retiring:
@@ -230,6 +241,7 @@ class SuperNeuronsModule(nn.Module):
     def _make(self, key, args, kwargs, tensors: list, device, autocast, packed: bool = False):
         if self.state == "host":                                        # Rule 6
             args, kwargs = _on_meta((args, kwargs))
+            self._keep_state_of(None)          # before foreign bytes are read below
         began = time.perf_counter()
         graph = capture(self.model, Arguments(args), autocast, kwargs,
                         device=device if self.state == "host" else None, packed_positions=packed)
@@ -292,6 +304,7 @@ class SuperNeuronsModule(nn.Module):
         self._last = (plan, executor, device, made)
         if executor is None:
             return self.model(*args, **kwargs)
+        self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
         graph = plan.graph

@@ -21,6 +21,16 @@ Rule 5: what the tier cannot make exact is refused before the first step: hooks 
         gradients, create_graph (double backward through the copies).
 Rule 6: with a process group (data_parallel.py), a gradient complete on the device is averaged
         over the group before it is sent (Rule 3), as DistributedDataParallel would average it.
+Rule 7: state the plan keeps resident (planner/state.py) is fetched once and its copy kept: the
+        step's later readers, replays and backward (StateRefs) read it. A copy serves only the
+        host tensor it was made from, unchanged: the same object at the same address and
+        version (load_state_dict in place counts a version; assign=True makes a new object),
+        else it is fetched again. Frozen state (no gradient) keeps its copy across steps while
+        it also has no .grad; trained parameters keep theirs for the step only, until backward
+        ends: the optimizer changes them between steps, and a fused optimizer (AdamW(...,
+        fused=True)) writes them without counting a version. State a layer writes is never
+        resident (Rule 4). The copies go when the executor is released or closed and when
+        another plan of the wrapper runs (module Rule 6); the master stays on the host (Rule 1).
 """
 
 import bisect
@@ -93,6 +103,9 @@ class StateTier:
         self.model, self.device, self.mover = model, device, mover
         self.cuda = device.type == "cuda"
         self.ahead: dict = {}       # id(host tensor) -> (device bytes, event): fetched ahead
+        # Rule 7: the plan's resident state this step, and the copies kept of it
+        self.resident: dict = {}    # id(host tensor) -> host tensor
+        self.kept: dict = {}        # id(host tensor) -> (host, version, address, device bytes)
         # forward: what the layer running reads and writes, and values that view state
         self.layer_reads: dict = {}  # storage of a copy it reads -> host tensor
         self.written: list = []      # (host, copy) of state it writes in place
@@ -114,10 +127,14 @@ class StateTier:
         self.round = None            # its collectives in the backward running
 
     # -- forward ---------------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, resident=()) -> None:
         """A new step: the model's tensors are read again (a user may have replaced one, as
-        load_state_dict(assign=True) does) and brought to host memory where they are not."""
+        load_state_dict(assign=True) does) and brought to host memory where they are not;
+        ``resident``: the host tensors the plan keeps on the device now (Rule 7)."""
         to_host_memory(self.model, self.device)
+        self.resident = {id(host): host for host in resident}
+        self.kept = {key: kept for key, kept in self.kept.items()
+                     if self.resident.get(key) is kept[0] and kept[0].grad is None and self._kept_copy(kept[0]) is not None}
         self.ahead.clear()
         self.uses.clear()
         self.views, self.saved_at, self.saved_steps = {}, {}, None
@@ -193,9 +210,9 @@ class StateTier:
         self.prefetch(t for t in hosts if isinstance(t, torch.Tensor))
 
     def prefetch(self, hosts) -> None:
-        """Start copying the next layer's state (Rule 1)."""
+        """Start copying the next layer's state (Rule 1), but what is kept (Rule 7)."""
         for host in hosts:
-            if id(host) not in self.ahead:
+            if id(host) not in self.ahead and self._kept_copy(host) is None:
                 self.ahead[id(host)] = self._start(host)
 
     def _start(self, host: torch.Tensor):
@@ -206,11 +223,35 @@ class StateTier:
     def fetch_bytes(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of the storage behind ``host``: fetched ahead, or now."""
         device_bytes = self.reading.get(id(host))
+        if device_bytes is None:
+            device_bytes = self._kept_copy(host)
         if device_bytes is not None:
             return device_bytes
         device_bytes, event = self.ahead.pop(id(host), None) or self._start(host)
         self.mover.ready(device_bytes, event)
+        if self.resident.get(id(host)) is host:                                   # Rule 7
+            # resident state is not written during a step (never a layer's, Rule 4), so the
+            # version now is the one the copy was started from
+            self.kept[id(host)] = (host, host._version, _address(host), device_bytes)
         return device_bytes
+
+    def _kept_copy(self, host: torch.Tensor):
+        """Rule 7: the kept device bytes of ``host``, if made from it as it is now."""
+        kept = self.kept.get(id(host))
+        if kept is None or kept[0] is not host or kept[1] != host._version or \
+                kept[2] != _address(host):
+            return None
+        return kept[3]
+
+    def kept_bytes(self) -> int:
+        """Device bytes of the copies kept (Rule 7): part of the plan, not foreign memory."""
+        return sum(kept[3].numel() for kept in self.kept.values())
+
+    def release(self) -> None:
+        """Drop every copy this tier holds on the device between layers or steps; a StateRef
+        still to be read fetches its state again."""
+        self.ahead.clear()
+        self.kept.clear()
 
     def fetch_saved(self, host: torch.Tensor) -> torch.Tensor:
         """Rule 2: saved state for the backward step now; its readers in that step share it."""
@@ -331,8 +372,15 @@ class StateTier:
         self.copies, self.sent = [], 0
         # what a partial backward fetched ahead for a step it did not reach: not kept past it
         self.ahead.clear()
+        # trained parameters' copies are for this step alone (Rule 7): free them before the
+        # optimizer steps the parameters
+        pass
         self.reading, self.reading_step = {}, None
         self.finishing = False
+
+
+def _address(host: torch.Tensor) -> int:
+    return host.untyped_storage().data_ptr()
 
 
 def to_host_memory(model: nn.Module, device: torch.device) -> None:
