@@ -3,10 +3,11 @@
 Rule 1: parameters and buffers stay the model's own tensors, in host memory (pinned in place on
         CUDA, `tensor.data`), so the user's optimizer steps them there, state_dict returns them
         and load_state_dict reaches the next step. A layer reads device copies, fetched one
-        layer ahead on the copy stream and dropped after the layer.
+        layer ahead on the copy stream and dropped after the layer (but resident ones, Rule 7).
 Rule 2: what autograd saves of a copy (a convolution's weight) becomes a StateRef: the host
-        tensor, fetched again for the backward that reads it. Its version is checked there: a
-        parameter changed between forward and backward fails as plain PyTorch's backward does.
+        tensor, fetched again for the backward that reads it (a resident one's kept copy is
+        read, Rule 7). Its version is checked there: a parameter changed between forward and
+        backward fails as plain PyTorch's backward does.
 Rule 3: a copy's gradient is summed on the device over the step's uses of its parameter, in the
         order autograd delivers them (autograd's own input buffer sums so), then copied to host
         memory on the copy stream as soon as the last use has delivered. When backward ends, the
@@ -26,11 +27,13 @@ Rule 7: state the plan keeps resident (planner/state.py) is fetched once and its
         host tensor it was made from, unchanged: the same object at the same address and
         version (load_state_dict in place counts a version; assign=True makes a new object),
         else it is fetched again. Frozen state (no gradient) keeps its copy across steps while
-        it also has no .grad; trained parameters keep theirs for the step only, until backward
-        ends: the optimizer changes them between steps, and a fused optimizer (AdamW(...,
-        fused=True)) writes them without counting a version. State a layer writes is never
-        resident (Rule 4). The copies go when the executor is released or closed and when
-        another plan of the wrapper runs (module Rule 6); the master stays on the host (Rule 1).
+        it also has no .grad (an optimizer steps only parameters with one); trained parameters
+        keep theirs for the step only, until backward ends: the optimizer changes them between
+        steps, and a fused one (AdamW(..., fused=True)) writes them without counting a
+        version. A write through .data counts none either (DESIGN.md, Known traps). State a
+        layer writes is never resident (Rule 4). The copies go when the executor is released
+        or closed and when another plan of the wrapper runs (module Rule 6); the master stays
+        on the host (Rule 1).
 """
 
 import bisect
@@ -134,7 +137,8 @@ class StateTier:
         to_host_memory(self.model, self.device)
         self.resident = {id(host): host for host in resident}
         self.kept = {key: kept for key, kept in self.kept.items()
-                     if self.resident.get(key) is kept[0] and kept[0].grad is None and self._kept_copy(kept[0]) is not None}
+                     if self.resident.get(key) is kept[0] and not kept[0].requires_grad
+                     and kept[0].grad is None and self._kept_copy(kept[0]) is not None}
         self.ahead.clear()
         self.uses.clear()
         self.views, self.saved_at, self.saved_steps = {}, {}, None
@@ -374,7 +378,7 @@ class StateTier:
         self.ahead.clear()
         # trained parameters' copies are for this step alone (Rule 7): free them before the
         # optimizer steps the parameters
-        pass
+        self.kept = {key: kept for key, kept in self.kept.items() if not kept[0].requires_grad}
         self.reading, self.reading_step = {}, None
         self.finishing = False
 
