@@ -205,3 +205,45 @@ def test_an_hf_decoder_with_tied_embeddings_averages_as_ddp_does():
 def test_process_group_needs_state_on_the_host():
     with pytest.raises(ValueError, match="process_group= is for state='host'"):
         sn.wrap(nn.Linear(2, 2), process_group=object())
+
+
+def _refusing_rank(rank, init_file, out_dir):
+    """Rank 1 alone lacks host memory, at wrap and then at a first step: both ranks must raise
+    (a rank left in a collective would wait out the timeout instead)."""
+    import datetime
+    from superneurons.runtime import host_memory, module
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    found = {}
+    try:
+        model, batch = _resnet(rank)
+        fits = module.check_state_fits
+
+        def at_wrap(*args):
+            if rank == 1:
+                raise ValueError("not enough host memory on this rank")
+            return fits(*args)
+        module.check_state_fits = at_wrap
+        found["wrap"] = _refusal(lambda: sn.wrap(model, state="host", device="cpu",
+                                                 process_group=dist.group.WORLD))
+        module.check_state_fits = fits
+        wrapped = sn.wrap(model, state="host", device="cpu", process_group=dist.group.WORLD)
+        if rank == 1:
+            host_memory.available_host_bytes = lambda: 1
+        args, kwargs, _ = batch(0, 0)
+        found["first step"] = _refusal(lambda: wrapped(*args, **kwargs))
+    finally:
+        torch.save(found, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def test_a_host_memory_refusal_on_one_rank_stops_every_rank():
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_refusing_rank, args=(os.path.join(folder, "init"), folder), nprocs=2,
+                 join=True)
+        found = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(2)]
+    assert "not enough host memory" in found[1]["wrap"]
+    assert "failed on rank(s) [1]" in found[0]["wrap"]
+    assert "more host memory" in found[1]["first step"]
+    assert "failed on rank(s) [1]" in found[0]["first step"]

@@ -25,6 +25,9 @@ Rule 4: collectives run in one fixed order on every rank, the parameters' revers
         its .grad untouched: DDP's find_unused_parameters=True.
 Rule 5: no_sync() leaves out Rules 2-4 for the forwards inside it (their backwards accumulate
         locally), as DDP's does.
+Rule 6: a check that may refuse on one rank alone (host memory, host_memory.py) is agreed on
+        by the group: if it fails anywhere, every rank raises, so none waits in a collective
+        the others left.
 """
 
 import contextlib
@@ -40,16 +43,39 @@ REDUCE_BUCKET_BYTES = 25 * 2**20
 BUCKET_BYTES = 256 * 2**20
 
 
+def check_group(group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group= needs torch.distributed initialized "
+                         "(dist.init_process_group) before sn.wrap")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"process_group must be a torch.distributed ProcessGroup (such as "
+                         f"torch.distributed.group.WORLD), not {type(group).__name__}")
+
+
+def agreed(check, group, device: torch.device, what: str) -> None:
+    """Rule 6: run ``check`` (it raises ValueError) on this rank; raise on every rank of
+    ``group`` if it failed on any."""
+    try:
+        check()
+        error = None
+    except ValueError as failed:
+        error = failed
+    flag = torch.tensor([error is not None], dtype=torch.int64, device=device)
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, flag, group=group)
+    if error is not None:
+        raise error
+    failing = [rank for rank, other in enumerate(flags) if other.item()]
+    if failing:
+        raise ValueError(f"superneurons: {what} failed on rank(s) {failing} of process_group "
+                         "(their error says why); every rank stops here, before any step")
+
+
 class DataParallel:
     """One wrapped model's data parallelism over ``group``, computing on ``device``."""
 
     def __init__(self, model, group, device: torch.device):
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("process_group= needs torch.distributed initialized "
-                             "(dist.init_process_group) before sn.wrap")
-        if not isinstance(group, dist.ProcessGroup):
-            raise ValueError(f"process_group must be a torch.distributed ProcessGroup (such as "
-                             f"torch.distributed.group.WORLD), not {type(group).__name__}")
+        check_group(group)
         self.model, self.group, self.device = model, group, device
         self.world = dist.get_world_size(group)
         self.require_backward_grad_sync = True     # no_sync() clears it (Rule 5)

@@ -55,7 +55,7 @@ from ..capture.hf import packed_positions, without_full_mask
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import parse_state
 from ..units import format_bytes, parse_bytes
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor, foreign_bytes
 from .host_memory import check_first_step, check_state_fits
 from .state import check_state_tier, to_host_memory
@@ -93,7 +93,12 @@ class SuperNeuronsModule(nn.Module):
         if self.state == "host":
             self.compute_device = _compute_device(device)
             check_state_tier(model)
-            check_state_fits(model, self.compute_device)            # host_memory Rule 1
+            check = lambda: check_state_fits(model, self.compute_device)  # host_memory Rule 1
+            if process_group is None:
+                check()
+            else:                                           # data_parallel Rule 6
+                check_group(process_group)
+                agreed(check, process_group, self.compute_device, "the host memory check")
             log.info("moving the model's state into host memory")
             to_host_memory(model, self.compute_device)
         elif device is not None:
@@ -311,7 +316,12 @@ class SuperNeuronsModule(nn.Module):
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         if executor.step_id == 0:
             began = time.perf_counter()
-            check_first_step(executor, self.model)                      # host_memory Rule 1
+            check = lambda: check_first_step(executor, self.model)      # host_memory Rule 1
+            if self._data_parallel is None:
+                check()
+            else:                                           # data_parallel Rule 6
+                agreed(check, self._data_parallel.group, self.compute_device,
+                       "the host memory check of a first step")
             made["host_check_seconds"] = time.perf_counter() - began
             log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:
