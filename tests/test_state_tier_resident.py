@@ -133,14 +133,15 @@ def test_room_in_the_budget_keeps_state_resident_and_moves_less():
         fetched = _fetches(executor)
         _train(model, wrapped, "resnet", "sgd-momentum", steps=1)
         moved[name] = wrapped.stats.state_moved_bytes
-    # the roomy run: frozen resident state not moved at all on the second step, a trained
-    # resident parameter once (forward), a trained streamed one at least twice
+    # the roomy run's second step: resident state moved once (forward), frozen or trained, a
+    # trained streamed parameter at least twice
     tensors = dict(model.named_parameters())
     resident = set(plan.resident_state)
+    assert any(not tensors[name].requires_grad for name in resident if name in tensors)
     for name, tensor in tensors.items():
         nbytes = tensor.untyped_storage().nbytes()
         if name in resident:
-            assert fetched[id(tensor)] == (nbytes if tensor.requires_grad else 0), name
+            assert fetched[id(tensor)] == nbytes, name
         elif tensor.requires_grad and name.endswith("weight"):
             assert fetched[id(tensor)] >= 2 * nbytes, name
     assert moved["roomy"] < moved["tight"]
@@ -193,7 +194,8 @@ def test_state_loaded_between_steps_reaches_the_next_step(kind, assign):
     plan, executor = wrapped.plan_for(x)
     _train(model, wrapped, kind, "sgd-momentum", steps=1)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    assert set(frozen) <= set(plan.resident_state) and executor.tier.kept
+    # nothing outlives the step's backward (Rule 7): the next step fetches again
+    assert set(frozen) <= set(plan.resident_state) and not executor.tier.kept
     loaded = {k: v.clone() for k, v in _model(kind, seed=1).state_dict().items()}
     wrapped.load_state_dict(loaded, assign=assign)
     model.zero_grad()
@@ -240,10 +242,31 @@ def test_only_the_plan_running_keeps_resident_copies():
     large, y = _batch("resnet", 0)
     _, first = wrapped.plan_for(large)
     _, second = wrapped.plan_for(small)
-    nn.functional.cross_entropy(wrapped(large), y).backward()
+    large_loss = nn.functional.cross_entropy(wrapped(large), y)
     assert first.tier.kept and not second.tier.kept
-    nn.functional.cross_entropy(wrapped(small), y[:2]).backward()
+    small_loss = nn.functional.cross_entropy(wrapped(small), y[:2])
     assert second.tier.kept and not first.tier.kept
-    first.close()
-    second.release()
+    (large_loss + small_loss).backward()      # the first plan's backward fetches again
     assert not first.tier.kept and not second.tier.kept
+
+
+def test_frozen_state_written_without_a_version_reaches_the_next_step():
+    """An EMA teacher (DINO, BYOL) updates its frozen weights through .data, which counts no
+    version: a resident copy kept across steps would serve the old weights (Rule 7)."""
+    def run(model, call):
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        for step in range(3):
+            x, y = _batch("resnet", step)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(call(x), y).backward()
+            optimizer.step()
+            for parameter in frozen:
+                parameter.data.mul_(0.5).add_(0.25)
+
+    plain, model = _model(), _model()
+    run(plain, plain)
+    wrapped = sn.wrap(model, budget=_budget("resnet", 1.5), state="host", device="cpu")
+    run(model, wrapped)
+    assert "stem.0.weight" in wrapped.plan_for(_batch("resnet", 0)[0])[0].resident_state
+    _same(plain, model)

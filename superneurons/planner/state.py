@@ -12,14 +12,13 @@ layer reads device copies of them (runtime/state.py). Each layer adds its own, t
 A parameter read by several layers (shared weights) is fetched by each.
 
 Resident state (runtime state.py Rule 7) is a buffer live over the whole step instead: it is
-fetched once and its copy serves every reader, replay and backward. A frozen tensor (no
-gradient) then moves once for the life of the plan, so 0 bytes a step; a trained parameter
-once a step, in forward (its optimizer changes it between steps); its gradient still goes to
-the host. State some layer writes in place (running statistics) is never resident: its copy
-goes back to the host after the writer (runtime Rule 4). choose_resident picks the set: frozen
-state first (it never moves again), then trained parameters by fetches saved a step per byte
-held (the same for every byte of one tensor: a count), ties by use order, while their bytes fit
-the room given.
+fetched once a step, in forward, and its copy serves every reader, replay and backward; a
+trained parameter's gradient still goes to the host. Frozen state moves every step too: a write
+to it that counts no version (an EMA teacher's `p.data.mul_(...)`) would go unseen by a copy
+kept across steps. State some layer writes in place (running statistics) is never resident:
+its copy goes back to the host after the writer (runtime Rule 4). choose_resident picks the
+set by fetches saved a step per byte held (the same for every byte of one tensor: a count),
+ties by use order, while their bytes fit the room given.
 """
 
 import operator
@@ -119,13 +118,12 @@ def state_buffers(graph: LayerGraph, timeline, segments: list, needs, states: tu
 def state_bytes_moved(segments: list, needs, states: tuple, tensors: tuple = (),
                       resident=frozenset()) -> int:
     """Bytes of state sent over the host link a step: every copy of streamed state to the
-    device (forward, backward, replays), every gradient back, and each trained resident
-    parameter once (frozen resident state moved at the plan's first step only)."""
+    device (forward, backward, replays), every gradient back, and each resident tensor once."""
     moved = sum(s.fetched + s.again + s.grads for s in states)
     for segment in segments:
         for _, last in needs.replays[segment.index]:
             moved += sum(states[l].fetched for l in segment.layers[:last + 1])
-    return moved + sum(t.nbytes for t in tensors if t.trained and t.name in resident)
+    return moved + sum(t.nbytes for t in tensors if t.name in resident)
 
 
 def choose_resident(tensors: tuple, segments: list, needs, timeline, room: int) -> tuple:
@@ -134,14 +132,13 @@ def choose_resident(tensors: tuple, segments: list, needs, timeline, room: int) 
                        for l in segment.layers[:last + 1])
 
     def fetches_saved(tensor: StateTensor) -> int:
-        """Copies to the device a step that residence saves (a trained one keeps one)."""
-        fetches = sum(1 + replayed[l] for l in tensor.readers)
-        if tensor.trained:
-            fetches += len(tensor.readers) - 1          # again in backward, once in forward
-        return fetches
+        """Copies to the device a step that residence saves: each reader's, each replay's and
+        each backward's (frozen weights too: their layer's backward reads them for the input's
+        gradient), less the one it keeps."""
+        return sum(2 + replayed[l] for l in tensor.readers) - 1
 
     candidates = sorted((t for t in tensors if not t.written and t.nbytes),
-                        key=lambda t: (t.trained, -fetches_saved(t),
+                        key=lambda t: (-fetches_saved(t),
                                        min(timeline.fwd(l) for l in t.readers)))
     chosen, held = [], 0
     for tensor in candidates:

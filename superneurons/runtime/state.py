@@ -22,18 +22,16 @@ Rule 5: what the tier cannot make exact is refused before the first step: hooks 
         gradients, create_graph (double backward through the copies).
 Rule 6: with a process group (data_parallel.py), a gradient complete on the device is averaged
         over the group before it is sent (Rule 3), as DistributedDataParallel would average it.
-Rule 7: state the plan keeps resident (planner/state.py) is fetched once and its copy kept: the
-        step's later readers, replays and backward (StateRefs) read it. A copy serves only the
-        host tensor it was made from, unchanged: the same object at the same address and
-        version (load_state_dict in place counts a version; assign=True makes a new object),
-        else it is fetched again. Frozen state (no gradient) keeps its copy across steps while
-        it also has no .grad (an optimizer steps only parameters with one); trained parameters
-        keep theirs for the step only, until backward ends: the optimizer changes them between
-        steps, and a fused one (AdamW(..., fused=True)) writes them without counting a
-        version. A write through .data counts none either (DESIGN.md, Known traps). State a
-        layer writes is never resident (Rule 4). The copies go when the executor is released
-        or closed and when another plan of the wrapper runs (module Rule 6); the master stays
-        on the host (Rule 1).
+Rule 7: state the plan keeps resident (planner/state.py) is fetched once a step and its copy
+        kept for the step: its later readers, replays and backward (StateRefs) read it. A copy
+        serves only the host tensor it was made from, unchanged: the same object at the same
+        address and version, else it is fetched again. No copy outlives its step's backward,
+        frozen state's neither: between steps an optimizer writes parameters without counting
+        a version (AdamW(..., fused=True) on the CPU), and so does any write through .data (an
+        EMA teacher's p.data.mul_(...)); a copy kept across steps would miss them. State a
+        layer writes is never resident (Rule 4). The copies also go when the executor is
+        released or closed and when another plan of the wrapper runs (module Rule 6); the
+        master stays on the host (Rule 1).
 """
 
 import bisect
@@ -136,9 +134,7 @@ class StateTier:
         ``resident``: the host tensors the plan keeps on the device now (Rule 7)."""
         to_host_memory(self.model, self.device)
         self.resident = {id(host): host for host in resident}
-        self.kept = {key: kept for key, kept in self.kept.items()
-                     if self.resident.get(key) is kept[0] and not kept[0].requires_grad
-                     and kept[0].grad is None and self._kept_copy(kept[0]) is not None}
+        self.kept = {}                  # Rule 7: a partial backward may have left some
         self.ahead.clear()
         self.uses.clear()
         self.views, self.saved_at, self.saved_steps = {}, {}, None
@@ -376,9 +372,8 @@ class StateTier:
         self.copies, self.sent = [], 0
         # what a partial backward fetched ahead for a step it did not reach: not kept past it
         self.ahead.clear()
-        # trained parameters' copies are for this step alone (Rule 7): free them before the
-        # optimizer steps the parameters
-        self.kept = {key: kept for key, kept in self.kept.items() if not kept[0].requires_grad}
+        # resident copies are for this step alone (Rule 7): free before the optimizer steps
+        self.kept = {}
         self.reading, self.reading_step = {}, None
         self.finishing = False
 
