@@ -1,5 +1,5 @@
 """Do plans that the planner says fit with nothing moved really fit on the GPU? Each network and
-batch is tried at several planner slacks (trim._SLACK: the share of the budget a "nothing
+batch is tried at several planner slacks (trim.PLANNED_SHARE: the share of the budget a "nothing
 moved" plan may fill), three SGD steps each, under the 12 GiB cap with an 11.5 GiB budget;
 a failure records where it happened (forward or backward) and the allocator's state.
 
@@ -27,7 +27,7 @@ SLACKS = [0.97, 0.9, 0.8]
 
 
 def attempt(network: str, batch: int, slack: float) -> dict:
-    trim._SLACK = slack
+    trim.PLANNED_SHARE = slack
     model, x, y = make(network, batch, "cuda")
     wrapped = sn.wrap(model, policy="superneurons", budget="11.5GiB")
     optimizer = sgd(model)

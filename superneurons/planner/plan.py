@@ -14,7 +14,7 @@ from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_cou
 from .route import route as build_route
 from .state import STATES, choose_resident, layer_state, state_buffers, state_bytes_moved, \
     state_tensors
-from .trim import _SLACK, bytes_to_move, replay_only_what_the_budget_needs
+from .trim import PLANNED_SHARE, bytes_to_move, replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
 __all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
@@ -260,11 +260,11 @@ def with_resident_state(plan: Plan, budget: int) -> Plan:
     """``plan`` with the state that fits in the room its budget leaves kept on the device
     (planner/state.py). The room is what the plan the budget chose leaves unused, so its
     activations, replays and offloads stay as they are: resident state adds its bytes to every
-    step and only takes transient buffers away. _SLACK's 3% of the budget stays spare, as
-    trim.py keeps it: it is for what the byte model misses (allocator rounding, workspaces),
+    step and only takes transient buffers away. 3% of the budget stays spare, as trim.py keeps
+    it (PLANNED_SHARE): it is for what the byte model misses (allocator rounding, workspaces),
     and copies parked in it would turn a plan that moves nothing into one whose pool evicts
     every step, costing more over the link than they save."""
-    room = int(_SLACK * budget) - plan.peak_bytes
+    room = int(PLANNED_SHARE * budget) - plan.peak_bytes
     if room <= 0:
         return plan
     chosen = choose_resident(state_tensors(plan.graph), list(plan.segments), plan.needs,

@@ -23,7 +23,7 @@ from .policy import CHECKPOINT_KINDS, Policy, Strategy
 
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
 # device) should not turn "nothing moves" into a few evictions: keep 3% of the budget spare
-_SLACK = 0.97
+PLANNED_SHARE = 0.97
 # when data must move, a plan replaying every block is taken only if its floor fills at most this
 # share of the budget: its replays hold whole blocks the pool cannot move, and real use has
 # exceeded a floor's prediction by up to 1.42x on the GPU (BENCHMARKS.md), so 1 / 1.42; near its
@@ -100,7 +100,7 @@ def bytes_to_move(keep_plan, budget: int) -> int:
     was to send 198 GiB a step to the host, and ran no step in 500 s
     (state_tier_deep_every_rise.json).
     """
-    limit, moved, high = _SLACK * budget, 0, 0
+    limit, moved, high = PLANNED_SHARE * budget, 0, 0
     for step in keep_plan.steps:
         now = max(0, step.live_bytes - limit)
         if now == 0:
@@ -113,7 +113,7 @@ def bytes_to_move(keep_plan, budget: int) -> int:
 
 def _fits_on_device(build, segments: list, budget: int) -> bool:
     """Whether replaying ``segments`` and keeping every checkpoint on the device fits."""
-    return build(Policy.RECOMPUTE, segments).peak_bytes <= _SLACK * budget
+    return build(Policy.RECOMPUTE, segments).peak_bytes <= PLANNED_SHARE * budget
 
 
 def _largest(fits, count: int) -> int | None:
