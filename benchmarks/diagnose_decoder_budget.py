@@ -5,7 +5,9 @@ outside the pool at that step, the pool's own, and the calibrated excess).
     python benchmarks/diagnose_decoder_budget.py OUT.json [--decoder 7 ints] [--batch 4]
 
 Runs state_tier.py's decoder case (state on the host, bf16 autocast) with Executor._call
-wrapped; the record keeps the 25 calls furthest over the budget and over their allowance.
+wrapped; the record keeps the 25 calls furthest over the budget and over their allowance. The
+allocator's peak is reset around every call, so the case's own per-step peaks in the record
+are the last call's, not the step's.
 """
 
 import argparse

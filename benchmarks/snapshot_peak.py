@@ -24,7 +24,7 @@ def _where(frames: list) -> str:
 
 
 def peak(snapshot: dict, device: int = 0) -> dict:
-    live, current, best, at = {}, 0, 0, None
+    live, current, best, at, held = {}, 0, 0, None, {}
     events = snapshot["device_traces"][device]
     for index, event in enumerate(events):
         if event["action"] == "alloc":

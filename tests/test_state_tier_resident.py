@@ -194,8 +194,12 @@ def test_state_loaded_between_steps_reaches_the_next_step(kind, assign):
     plan, executor = wrapped.plan_for(x)
     _train(model, wrapped, kind, "sgd-momentum", steps=1)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    # nothing outlives the step's backward (Rule 7): the next step fetches again
+    # nothing outlives the step's backward (Rule 7): the next step fetches again; nor a
+    # forward that no backward follows
     assert set(frozen) <= set(plan.resident_state) and not executor.tier.kept
+    with torch.no_grad():
+        wrapped(x)
+    assert not executor.tier.kept
     loaded = {k: v.clone() for k, v in _model(kind, seed=1).state_dict().items()}
     wrapped.load_state_dict(loaded, assign=assign)
     model.zero_grad()
@@ -210,7 +214,8 @@ def test_state_loaded_between_steps_reaches_the_next_step(kind, assign):
 
 def test_a_frozen_parameter_an_optimizer_still_steps_is_fetched_again():
     """A gradient left from before it was frozen (zero_grad(set_to_none=False)): a fused
-    optimizer steps the parameter without counting a version, so the tier looks at .grad."""
+    optimizer steps the parameter without counting a version: a copy kept past the step would
+    miss it (Rule 7)."""
     def run(model, call):
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
         for step in range(3):
@@ -246,8 +251,8 @@ def test_only_the_plan_running_keeps_resident_copies():
     assert first.tier.kept and not second.tier.kept
     small_loss = nn.functional.cross_entropy(wrapped(small), y[:2])
     assert second.tier.kept and not first.tier.kept
-    (large_loss + small_loss).backward()      # the first plan's backward fetches again
-    assert not first.tier.kept and not second.tier.kept
+    (large_loss + small_loss).backward()      # the first plan's backward fetches again,
+    assert not first.tier.kept and not second.tier.kept    # keeping nothing
 
 
 def test_frozen_state_written_without_a_version_reaches_the_next_step():

@@ -94,6 +94,6 @@ def explain(plan, per_layer=None) -> str:
                     f"resident on the device ({len(plan.resident_state)} tensors, in the room "
                     f"the budget leaves), {format_bytes(plan.streamed_state_bytes)} streamed; "
                     f"{format_bytes(plan.state_bytes_moved)} moved a step (streamed state to "
-                    "the device for forward, replays and backward, trained resident parameters "
-                    "once, gradients back)")
+                    "the device for forward, replays and backward, resident state once, "
+                    "gradients back)")
     return "\n".join(rows)

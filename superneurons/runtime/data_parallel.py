@@ -25,9 +25,11 @@ Rule 4: collectives run in one fixed order on every rank, the parameters' revers
         its .grad untouched: DDP's find_unused_parameters=True.
 Rule 5: no_sync() leaves out Rules 2-4 for the forwards inside it (their backwards accumulate
         locally), as DDP's does.
-Rule 6: a check that may refuse on one rank alone (host memory, host_memory.py) is agreed on
-        by the group: if it fails anywhere, every rank raises, so none waits in a collective
-        the others left.
+Rule 6: at wrap, which every rank runs once and together, the host memory check (it may
+        refuse on one rank alone) is agreed on by the group: if it fails anywhere, every rank
+        raises, so none waits in a collective the others left. A plan's first step is not a
+        point the ranks reach together (ranks plan per input shape: a short last batch, dynamic
+        padding), so its check stays local: a collective there hung ranks whose shapes differ.
 """
 
 import contextlib

@@ -279,10 +279,9 @@ class Executor:
         if self.device.type == "cuda" and self.reads_allocator is None:
             self.reads_allocator = allocator_counts(tensors)
         if self.device.type == "cuda" and self.reads_allocator:
+            # resident copies are none here: begin_step above dropped any left (state Rule 7)
             self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
                                                state_on_device=self.tier is None)
-            if self.tier is not None:          # resident state the plan counts (state Rule 7)
-                self.foreign_bytes = max(0, self.foreign_bytes - self.tier.kept_bytes())
             if self.seen_excess is not None:
                 self.excess_bytes = self.seen_excess + self.budget_bytes // 50
             self.calibrating = self.calibration_left > 0

@@ -140,9 +140,9 @@ class SuperNeuronsModule(nn.Module):
         tensors, key = _call_key(args, kwargs)
         device = self._device(tensors)
         autocast = autocast_state(device.type)
-        parameters = self.structure.parameters
+        structure, parameters = self.structure.read()
         packed = packed_positions(self.model, args, kwargs)              # capture/hf.py Rule 1
-        key = (key, self.structure.key(), autocast, packed)
+        key = (key, structure, autocast, packed)
         if self._retiring:
             self._close_idle()
         planned = self._executors.get(key)
@@ -316,12 +316,7 @@ class SuperNeuronsModule(nn.Module):
         flat = list(args) if graph.in_spec is None else flat_inputs(graph.in_spec, args, kwargs)
         if executor.step_id == 0:
             began = time.perf_counter()
-            check = lambda: check_first_step(executor, self.model)      # host_memory Rule 1
-            if self._data_parallel is None:
-                check()
-            else:                                           # data_parallel Rule 6
-                agreed(check, self._data_parallel.group, self.compute_device,
-                       "the host memory check of a first step")
+            check_first_step(executor, self.model)                      # host_memory Rule 1
             made["host_check_seconds"] = time.perf_counter() - began
             log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:

@@ -25,10 +25,13 @@ Rule 6: with a process group (data_parallel.py), a gradient complete on the devi
 Rule 7: state the plan keeps resident (planner/state.py) is fetched once a step and its copy
         kept for the step: its later readers, replays and backward (StateRefs) read it. A copy
         serves only the host tensor it was made from, unchanged: the same object at the same
-        address and version, else it is fetched again. No copy outlives its step's backward,
-        frozen state's neither: between steps an optimizer writes parameters without counting
-        a version (AdamW(..., fused=True) on the CPU), and so does any write through .data (an
-        EMA teacher's p.data.mul_(...)); a copy kept across steps would miss them. State a
+        address and version, else it is fetched again. No copy outlives its step, frozen
+        state's neither: copies go when backward ends, as a forward without grad ends, or at
+        the next step. Between steps an optimizer writes parameters without counting a version
+        (AdamW(..., fused=True) on the CPU), and so does any write through .data (an EMA
+        teacher's p.data.mul_(...)); a copy kept across steps would miss them. A write through
+        .data between a step's forward and its backward is missed too: plain PyTorch's
+        backward would read the new values, this one the copy. State a
         layer writes is never resident (Rule 4). The copies also go when the executor is
         released or closed and when another plan of the wrapper runs (module Rule 6); the
         master stays on the host (Rule 1).
@@ -146,8 +149,10 @@ class StateTier:
         """Views noted in forward are not read again (replays note their own); a forward that
         no backward follows (no grad) waits here for its written-back buffers."""
         self.layer_reads, self.views = {}, {}
-        if self.cuda and not torch.is_grad_enabled():
-            torch.cuda.current_stream(self.device).synchronize()
+        if not torch.is_grad_enabled():
+            self.kept = {}              # Rule 7: no backward will read them
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
 
     def begin_layer(self) -> None:
         self.layer_reads, self.written = {}, []
@@ -243,15 +248,12 @@ class StateTier:
             return None
         return kept[3]
 
-    def kept_bytes(self) -> int:
-        """Device bytes of the copies kept (Rule 7): part of the plan, not foreign memory."""
-        return sum(kept[3].numel() for kept in self.kept.values())
-
     def release(self) -> None:
         """Drop every copy this tier holds on the device between layers or steps; a StateRef
-        still to be read fetches its state again."""
+        still to be read fetches its state again, and keeps no copy (Rule 7)."""
         self.ahead.clear()
         self.kept.clear()
+        self.resident = {}
 
     def fetch_saved(self, host: torch.Tensor) -> torch.Tensor:
         """Rule 2: saved state for the backward step now; its readers in that step share it."""
