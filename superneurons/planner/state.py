@@ -65,7 +65,17 @@ def _reads(graph: LayerGraph, layer, written: set):
 
 
 def state_tensors(graph: LayerGraph) -> tuple:
-    """Every state tensor the step reads, once (tied weights are one tensor), in read order."""
+    """Every state tensor the step reads, once (tied weights are one tensor), in read order.
+    Kept on the graph while no requires_grad changes: a budget's search builds tens of plans
+    of one graph, and listing walks every layer's module."""
+    trained = tuple(p.requires_grad for p in graph.graph_module.parameters())
+    kept = getattr(graph, "_state_tensors", None)
+    if kept is None or kept[0] != trained:
+        kept = graph._state_tensors = (trained, _state_tensors(graph))
+    return kept[1]
+
+
+def _state_tensors(graph: LayerGraph) -> tuple:
     written = {node for layer in graph.layers for node in layer.state_writes}
     found: dict = {}                      # id(tensor) -> [name, tensor, written, readers]
     for layer in graph.layers:
