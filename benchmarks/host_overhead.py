@@ -1,0 +1,78 @@
+"""Host time the wrapper spends on its own bookkeeping, on the CPU (no device needed):
+
+- per call, the plan key's read of every module's training mode and every parameter's
+  requires_grad (runtime/structure.py) on torchvision's DenseNet-121, against walking the
+  module tree at every call as the wrapper did before;
+- per plan, a budget's search with the state on the host: how many plans of one graph it
+  builds and the time spent listing the graph's state tensors (planner/state.py).
+
+    python benchmarks/host_overhead.py OUT_DIR
+"""
+
+import os
+import sys
+import time
+import timeit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def key_read() -> dict:
+    import torchvision
+    from superneurons.runtime.structure import Structure
+    model = torchvision.models.densenet121()
+    structure = Structure(model)
+    structure.read()
+
+    def walk():
+        return (tuple(m.training for m in model.modules()),
+                tuple(p.requires_grad for p in model.parameters()))
+    kept = min(timeit.repeat(structure.read, number=200, repeat=5)) / 200
+    walked = min(timeit.repeat(walk, number=50, repeat=5)) / 50
+    return {"model": "torchvision densenet121", "modules": len(list(model.modules())),
+            "parameters": len(list(model.parameters())),
+            "kept_lists_checked_ms": kept * 1e3, "tree_walked_ms": walked * 1e3}
+
+
+def state_listing(n3: int = 100) -> dict:
+    import superneurons as sn
+    import superneurons.planner.state as state
+    plan_module = sys.modules["superneurons.planner.plan"]   # the package's "plan" is plan()
+    counted = {"asked": 0, "listed": 0, "listing_s": 0.0}
+    asked, listing = plan_module.state_tensors, state._state_tensors
+
+    def ask(graph):
+        counted["asked"] += 1
+        return asked(graph)
+
+    def timed(graph):
+        began = time.perf_counter()
+        try:
+            return listing(graph)
+        finally:
+            counted["listed"] += 1
+            counted["listing_s"] += time.perf_counter() - began
+    plan_module.state_tensors, state._state_tensors = ask, timed
+    try:
+        began = time.perf_counter()
+        plan = sn.plan(sn.models.resnet(blocks=(3, 4, n3, 3)), (16, 3, 224, 224),
+                       policy="superneurons", budget="11.5GiB", state="host")
+        seconds = time.perf_counter() - began
+    finally:
+        plan_module.state_tensors, state._state_tensors = asked, listing
+    return {"model": f"zoo ResNet [3, 4, {n3}, 3]", "layers": len(plan.order),
+            "planning_s": seconds, "plans_asking_for_state": counted["asked"],
+            "state_listings": counted["listed"], "state_listing_s": counted["listing_s"],
+            "resident_tensors": len(plan.resident_state)}
+
+
+def main():
+    from common import environment, write
+    out = sys.argv[1]
+    write(os.path.join(out, "host_overhead.json"),
+          {"command": " ".join(sys.argv), "environment": environment(), "cpu_count": os.cpu_count(),
+           "key_read": key_read(), "state_listing": state_listing()})
+
+
+if __name__ == "__main__":
+    main()
