@@ -9,15 +9,15 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
 Rule 3: parameters and buffers are model state: saved as they are, never moved, and read from
         the model at every step.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan (allocator
-        rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
-        what is really allocated when that is more than the plan says, and calibrate the
-        excess: the largest seen, in bytes, is added at every step (a ratio would scale a
-        workspace measured beside a small step up to every large one: 3.3x once,
-        budget_margin.json). Later steps trust the calibration (a reading costs host time
-        comparable to a small layer's kernels: profile_before.json), until an out-of-memory
-        retry calls for calibrating again. Before the first calibration, and always where the
-        allocator keeps no statistics (no caching allocator), real use is taken as
-        FIRST_STEP_MARGIN times the plan.
+        rounding, cuDNN workspaces, autograd's kernels): the first steps read the allocator at
+        every layer and at the backward steps the pool acts at, now and its high-water mark
+        between readings, and calibrate the largest excess seen, in bytes, added at every step
+        (calibration.py; a ratio would scale a workspace measured beside a small step up to
+        every large one: 3.3x once, budget_margin.json). Later steps trust the calibration (a
+        reading costs host time comparable to a small layer's kernels: profile_before.json),
+        until an out-of-memory retry calls for calibrating again. Before the first calibration,
+        and always where the allocator keeps no statistics (no caching allocator), real use is
+        taken as FIRST_STEP_MARGIN times the plan.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
@@ -46,29 +46,14 @@ from torch.utils import _pytree as pytree
 from ..planner import Action, Policy
 from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
+from .calibration import Calibration, allocated_bytes
 from .pool import TensorPool
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateRef, StateTier
 
 
-# steps that read the allocator at every layer (Rule 4)
-CALIBRATION_STEPS = 2
-# before any calibration, real use is taken as this multiple of the plan: with 1.25 Inception-v4's
-# first step (batch 400, budget 10.5 GiB) peaked at 11.5 GiB in autograd's kernels, between the
-# readings, and at 11.5 GiB it ran out of memory there (benchmarks/results/
-# diagnose_inception_v4_3_budgets.json); with 1.5, batches 381 and 400 fit
-# (diagnose_inception_v4.json)
-FIRST_STEP_MARGIN = 1.5
-
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
-
-
-def allocated_bytes(device: torch.device) -> int:
-    """torch.cuda.memory_allocated without flattening all the allocator's statistics in Python
-    at every call (read at every layer, memory_allocated was part of a host time that filled
-    most of a step: 185 of 193 ms, ResNet-50 at batch 140, profile_before.json)."""
-    return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
 def allocator_counts(inputs: list) -> bool:
@@ -131,12 +116,7 @@ class Executor:
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
         self.foreign_bytes = 0
-        # On CUDA the allocator's rounding and cuDNN's workspaces make real use exceed the plan
-        # (measured 1.02-1.42x, BENCHMARKS.md); the pool leaves room for the largest excess seen
-        # while calibrating, plus 2% of the budget (workspaces come and go between readings);
-        # FIRST_STEP_MARGIN of the plan before it has seen one (Rule 4).
-        self.excess_bytes = self.seen_excess = None
-        self.calibration_left = CALIBRATION_STEPS
+        self.calibration = Calibration(device, budget_bytes)                 # Rule 4
         self.calibrating = False
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
@@ -169,7 +149,7 @@ class Executor:
         """What StepStats reports is the last step's alone."""
         pool = self.pool
         pool.offloaded_bytes = pool.prefetched_bytes = pool.cache_hits = pool.cache_misses = 0
-        pool.host_memory.taking_seconds = self.calibration_seconds = 0.0
+        pool.host_memory.taking_seconds = self.calibration.seconds = 0.0
         self.recomputed_layers = self.accounted_peak = 0
 
     def _read_state(self) -> None:
@@ -231,10 +211,9 @@ class Executor:
         until = step if until is None else min(max(until, step), last_step)
         outside = self.unmanaged_max(step, until)
         if self.device.type == "cuda":
-            outside = (int(FIRST_STEP_MARGIN * outside) if self.excess_bytes is None
-                       else outside + self.excess_bytes)
+            outside = self.calibration.outside(outside)
             if self.calibrating:
-                ours = self._allocated() - self.pool.exact_device_bytes
+                ours = self.calibration.read()[0] - self.pool.exact_device_bytes
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
@@ -244,20 +223,25 @@ class Executor:
         following = min(position + 1, len(self.pool_created) - 1)
         return self.allowance(position, following) - self.pool_created[following]
 
-    def _allocated(self) -> int:
-        """The allocator's reading while calibrating, its host time counted (StepStats)."""
-        began = time.perf_counter()
-        try:
-            return allocated_bytes(self.device)
-        finally:
-            self.calibration_seconds += time.perf_counter() - began
-
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            ours = self._allocated() - self.foreign_bytes - self.pool.exact_device_bytes
-            self.seen_excess = max(self.seen_excess or 0, ours - self.unmanaged[step])
+            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step],
+                                     self.unmanaged_max, self.pool.exact_device_bytes,
+                                     self.pool.take_exact_most())
+
+    @property
+    def excess_bytes(self):
+        return self.calibration.excess_bytes
+
+    @property
+    def seen_excess(self):
+        return self.calibration.seen_excess
+
+    @property
+    def calibration_seconds(self) -> float:
+        return self.calibration.seconds
 
     def bwd(self, layer_index: int) -> int:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
@@ -282,10 +266,8 @@ class Executor:
             # resident copies are none here: begin_step above dropped any left (state Rule 7)
             self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
                                                state_on_device=self.tier is None)
-            if self.seen_excess is not None:
-                self.excess_bytes = self.seen_excess + self.budget_bytes // 50
-            self.calibrating = self.calibration_left > 0
-            self.calibration_left = max(0, self.calibration_left - 1)
+            self.pool.take_exact_most()
+            self.calibrating = self.calibration.begin_step()
             if self.calibrating:
                 log.info("step %d of this plan: calibrating (reading device memory at every "
                          "layer)", self.step_id)
@@ -306,7 +288,7 @@ class Executor:
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
-                    self.calibration_left = CALIBRATION_STEPS               # Rule 4
+                    self.calibration.again()                                # Rule 4
                     self.pool.make_room(position, forward=True, limit=0)
                     self.pending, self.counter = [], 0
                     out = self._call(layer, call_args, kwargs, trains=True)
@@ -404,7 +386,7 @@ class Executor:
         try:
             return handle.get()
         except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
-            self.calibration_left = CALIBRATION_STEPS                       # Rule 4
+            self.calibration.again()                                        # Rule 4
             self.pool.make_room(self.backward_step or 0, forward=False, limit=0)
         try:
             return handle.get()
@@ -419,6 +401,10 @@ class Executor:
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:
+            if self.calibrating and self.backward_step is None:
+                # the window after the last step the pool acts at (Rule 4)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._account(2 * self.num_layers - 1))
             self.backward_step = step
             self.pool.unlock_all()
             self.pool.make_room(step, forward=False)
