@@ -34,7 +34,7 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
-    from common import cap_memory, make, make_deep_resnet, sgd, sgd_step
+    from common import calibration_of, cap_memory, make, make_deep_resnet, sgd, sgd_step
 
     cap_memory(CAP_GIB)
     began = time.perf_counter()
@@ -63,9 +63,12 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
                 # the first step's parts: host memory taken (pinned), allocator readings
                 "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
                 "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
-                "budget_held": peak <= BUDGET_GIB * 2**30})
+                "budget_held": peak <= BUDGET_GIB * 2**30, **calibration_of(wrapped)})
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        import traceback
         row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
+        row["trace"] = traceback.format_exc().splitlines()[-16:]
+        row["failed_in"] = calibration_of(wrapped)
     import resource                        # pinned host memory counts in the process's RSS
     row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # trains: every step ran within the cap; budget_held: and every peak within the budget

@@ -74,6 +74,16 @@ def rss_bytes() -> int | None:
         return None
 
 
+def calibration_of(wrapped) -> dict:
+    """The executor's calibrated excess (executor Rule 4) after the step just run, in bytes."""
+    last = getattr(wrapped, "_last", None)
+    executor = last[1] if last else None
+    if executor is None:
+        return {}
+    return {"excess_bytes": executor.excess_bytes, "seen_excess_bytes": executor.seen_excess,
+            "foreign_bytes": executor.foreign_bytes}
+
+
 def write(path: str, record: dict, quiet: bool = False) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:       # never a half-written record

@@ -155,7 +155,7 @@ def exact_case(name: str) -> dict:
 
 # -- deep ResNet ------------------------------------------------------------------------------
 def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
-    from common import rss_bytes
+    from common import calibration_of, rss_bytes
     rows = []
     # a diagnosis: the allocator's history of the steps after the first, for the peak's tensors
     snapshot = os.environ.get("STATE_TIER_SNAPSHOT")
@@ -186,7 +186,7 @@ def _steps(torch, wrapped, step_fn, budget_bytes: int) -> list:
                      # each way at the link's speed: the least time the bytes moved can take
                      "link_bound_seconds": (moved_cache + stats.state_moved_bytes) / 2
                      / LINK_BYTES_PER_S,
-                     "host_rss_bytes": rss_bytes()})
+                     "host_rss_bytes": rss_bytes(), **calibration_of(wrapped)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
