@@ -1,24 +1,14 @@
 """How much more device memory a CUDA step really uses than its plan says (executor Rule 4).
 
-The plan counts tensors; the device also holds the allocator's rounding, cuDNN's workspaces and
-the transients of autograd's own kernels (a matmul's backward allocates both gradients before
-either input is freed). The first steps of a plan read the allocator and learn the largest
-excess; later steps leave that much room beside the pool at every step.
+The plan counts tensors; the device also holds the allocator's rounding and cuDNN's workspaces.
+The first steps of a plan read the allocator at layer boundaries and learn the largest excess;
+later steps leave that much room beside the pool at every step.
 
-Two readings make one observation:
-- now: what is allocated at a layer boundary, less the pool and the user's tensors, against
-  what the plan says for that step;
-- between: the allocator's high-water mark. When it moved since the last reading, the highest
-  point lay between the two readings, so it is compared with the most the plan allows there
-  (its largest step in the window, and the most the pool held in it). This is what sees
-  autograd's kernels and the user's loss, which run where no layer boundary is: a 1.1B decoder
-  filled the pool's room and then went 128 MiB over its budget inside such a kernel
-  (benchmarks/results/snapshot_decoder_1b_streamed_oom.json).
-
-The high-water mark is read, never reset: resetting it would change what
-torch.cuda.max_memory_allocated tells the user about their own step. A window whose highest
-point stays below an earlier one goes unseen; where the pool fills its room that is the window
-with the smaller excess, so the largest is still learned.
+Only boundaries are read. The allocator's high-water mark between readings also sees autograd's
+kernels, but mostly it sees cuDNN's workspaces, which take what the memory cap leaves and
+shrink when the pool needs the room: learned as excess, they made VGG16 (batch 282) reserve
+6.2 GiB and DenseNet-201 (826) 5.3 GiB beside the pool, against 2.9 and 2.4 from boundaries
+(benchmarks/results/claims_high_water_calibration.json).
 """
 
 import time
@@ -38,17 +28,11 @@ FIRST_STEP_MARGIN = 1.5
 SLACK_SHARE = 1 / 50
 
 
-def allocator_reading(device: torch.device) -> tuple[int, int]:
-    """(bytes allocated now, the allocator's high-water mark) from one read of its statistics,
-    without flattening them all in Python (read at every layer, memory_allocated was part of a
-    host time that filled most of a step: 185 of 193 ms, ResNet-50 at batch 140,
-    profile_before.json)."""
-    stats = torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]
-    return stats["current"], stats["peak"]
-
-
 def allocated_bytes(device: torch.device) -> int:
-    return allocator_reading(device)[0]
+    """torch.cuda.memory_allocated without flattening all the allocator's statistics in Python
+    at every call (read at every layer, memory_allocated was part of a host time that filled
+    most of a step: 185 of 193 ms, ResNet-50 at batch 140, profile_before.json)."""
+    return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
 class Calibration:
@@ -60,7 +44,6 @@ class Calibration:
         self.left = CALIBRATION_STEPS
         self.active = False
         self.seconds = 0.0          # host time spent reading (StepStats)
-        self.high_water = self.since = 0
 
     def begin_step(self) -> bool:
         """Whether this step reads the allocator; the excess seen so far applies from now."""
@@ -68,9 +51,6 @@ class Calibration:
             self.excess_bytes = self.seen_excess + self.slack
         self.active = self.left > 0
         self.left = max(0, self.left - 1)
-        if self.active:
-            self.since = 0
-            self.high_water = self.read()[1]
         return self.active
 
     def again(self) -> None:
@@ -83,23 +63,17 @@ class Calibration:
             return int(FIRST_STEP_MARGIN * planned)
         return planned + self.excess_bytes
 
-    def read(self) -> tuple[int, int]:
+    def read(self) -> int:
+        """What the allocator holds now."""
         began = time.perf_counter()
         try:
-            return allocator_reading(self.device)
+            return allocated_bytes(self.device)
         finally:
             self.seconds += time.perf_counter() - began
 
-    def observe(self, step: int, others: int, planned_now: int, planned_since, pool_now: int,
-                pool_most: int) -> None:
-        """One reading at timeline ``step``. ``others``: the user's bytes (optimizer state,
-        their tensors); ``planned_now``: the plan's bytes outside the pool at ``step``;
-        ``planned_since(first, last)``: the most it has over those steps; ``pool_now`` and
-        ``pool_most``: what the pool holds, and the most it held since the last reading."""
-        current, high_water = self.read()
-        excess = current - others - pool_now - planned_now
-        if high_water != self.high_water:   # rose since the last reading, or the user reset it
-            first = min(self.since, step)
-            excess = max(excess, high_water - others - pool_most - planned_since(first, step))
-        self.high_water, self.since = high_water, step
-        self.seen_excess = max(self.seen_excess or 0, excess)
+    def observe(self, others: int, planned: int, pool: int) -> None:
+        """One reading at a layer boundary: ``others``, the user's bytes (optimizer state, their
+        tensors); ``planned``, the plan's bytes outside the pool there; ``pool``, what the pool
+        holds."""
+        current = self.read()
+        self.seen_excess = max(self.seen_excess or 0, current - others - pool - planned)

@@ -9,15 +9,15 @@ Rule 2: every tensor autograd saves goes through one pack hook: inside a recompu
 Rule 3: parameters and buffers are model state: saved as they are, never moved, and read from
         the model at every step.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan (allocator
-        rounding, cuDNN workspaces, autograd's kernels): the first steps read the allocator at
-        every layer and at the backward steps the pool acts at, now and its high-water mark
-        between readings, and calibrate the largest excess seen, in bytes, added at every step
-        (calibration.py; a ratio would scale a workspace measured beside a small step up to
-        every large one: 3.3x once, budget_margin.json). Later steps trust the calibration (a
-        reading costs host time comparable to a small layer's kernels: profile_before.json),
-        until an out-of-memory retry calls for calibrating again. Before the first calibration,
-        and always where the allocator keeps no statistics (no caching allocator), real use is
-        taken as FIRST_STEP_MARGIN times the plan.
+        rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
+        what is really allocated when that is more than the plan says, and calibrate the
+        excess: the largest seen, in bytes, is added at every step (calibration.py; a ratio
+        would scale a workspace measured beside a small step up to every large one: 3.3x once,
+        budget_margin.json). Later steps trust the calibration (a reading costs host time
+        comparable to a small layer's kernels: profile_before.json), until an out-of-memory
+        retry calls for calibrating again. Before the first calibration, and always where the
+        allocator keeps no statistics (no caching allocator), real use is taken as
+        FIRST_STEP_MARGIN times the plan.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
@@ -213,7 +213,7 @@ class Executor:
         if self.device.type == "cuda":
             outside = self.calibration.outside(outside)
             if self.calibrating:
-                ours = self.calibration.read()[0] - self.pool.exact_device_bytes
+                ours = self.calibration.read() - self.pool.exact_device_bytes
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
@@ -227,9 +227,8 @@ class Executor:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step],
-                                     self.unmanaged_max, self.pool.exact_device_bytes,
-                                     self.pool.take_exact_most())
+            self.calibration.observe(self.foreign_bytes, self.unmanaged[step],
+                                     self.pool.exact_device_bytes)
 
     @property
     def excess_bytes(self):
@@ -266,7 +265,6 @@ class Executor:
             # resident copies are none here: begin_step above dropped any left (state Rule 7)
             self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
                                                state_on_device=self.tier is None)
-            self.pool.take_exact_most()
             self.calibrating = self.calibration.begin_step()
             if self.calibrating:
                 log.info("step %d of this plan: calibrating (reading device memory at every "
@@ -401,10 +399,6 @@ class Executor:
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:
-            if self.calibrating and self.backward_step is None:
-                # the window after the last step the pool acts at (Rule 4)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._account(2 * self.num_layers - 1))
             self.backward_step = step
             self.pool.unlock_all()
             self.pool.make_room(step, forward=False)

@@ -70,7 +70,6 @@ class TensorPool:
         self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
         self.device_bytes = 0                    # counted by footprint (Rule 5)
         self.exact_device_bytes = 0              # as allocated, for the executor's calibration
-        self.exact_most = 0                      # the most of it since take_exact_most
         self.locked: set = set()                 # keys the running layer reads
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
@@ -81,12 +80,6 @@ class TensorPool:
     def _hold(self, footprint: int, nbytes: int) -> None:
         self.device_bytes += footprint
         self.exact_device_bytes += nbytes
-        self.exact_most = max(self.exact_most, self.exact_device_bytes)
-
-    def take_exact_most(self) -> int:
-        """The most bytes the pool held since the last call (the calibration's window)."""
-        most, self.exact_most = self.exact_most, self.exact_device_bytes
-        return most
 
     def footprint(self, nbytes: int) -> int:
         """The device bytes the pool counts for ``nbytes`` (Rule 5)."""
