@@ -281,6 +281,48 @@ def test_a_budget_the_optimizer_state_fills_is_an_error_before_the_step(monkeypa
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
+    """Rule 3 at every step: a managed plan made before the optimizer had state (momentum) no
+    longer fits beside it; the next step is planned again within what is left, before it runs,
+    and training stays exact. Memory that goes away again does not make a third plan."""
+    x, y = batch(8)
+    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    budget = floor + 9 * (liveness - floor) // 10
+    first = sn.plan(small_resnet(), x, policy="superneurons", budget=budget).peak_bytes
+    assert floor < first <= budget                   # fewer replays than the floor plan
+    device = FakeDevice(monkeypatch)
+    model = small_resnet()
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
+    grown = budget - first + 1                       # the first plan no longer fits
+    losses, executors = {"plain": [], "wrapped": []}, []
+    for name, net in (("plain", plain), ("wrapped", wrapped)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        for foreign in (0, grown, grown, 0):
+            device.foreign = foreign
+            optimizer.zero_grad()
+            loss = F.nll_loss(net(x), y)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+            if net is wrapped:
+                plan, executor = wrapped._last[:2]
+                executors.append(executor)
+                assert plan.peak_bytes + foreign <= budget
+    assert executors[0] is not executors[1]
+    assert executors[1] is executors[2] is executors[3]
+    assert not executors[0].pool.host_memory.chunks            # the first plan was given back
+    assert torch.equal(torch.stack(losses["plain"]), torch.stack(losses["wrapped"]))
+    assert_same_state(plain, managed)
+    device.foreign = budget - floor + 1                         # not even the floor fits
+    before = [p.detach().clone() for p in managed.parameters()]
+    with pytest.raises(ValueError, match="does not own") as error:
+        wrapped(x)
+    assert sn.units.format_bytes(floor + device.foreign) in str(error.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, managed.parameters()))
+
+
 def test_the_untouched_path_reads_nothing_off_cuda_or_without_a_budget(monkeypatch):
     calls = []
     monkeypatch.setattr(module, "foreign_bytes", lambda *args: calls.append(1) or 0)

@@ -281,6 +281,15 @@ def parse_state(state) -> str:
     return state
 
 
+class BudgetError(ValueError):
+    """A budget below what a plan needs; ``needed_bytes``: the smallest budget that would work,
+    ``policy``: the policy that needs it."""
+
+    def __init__(self, message: str, needed_bytes: int, policy: str):
+        super().__init__(message)
+        self.needed_bytes, self.policy = needed_bytes, policy
+
+
 def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
     smallest = smallest or result
     hint = (f"; policy 'superneurons' needs {format_bytes(smallest.peak_bytes)} "
@@ -292,11 +301,12 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
             hint += (f"; with the model's state on the host (sn.wrap(..., state='host'): "
                      f"parameters, gradients and optimizer state in host memory) it needs "
                      f"{format_bytes(streamed.peak_bytes)} ({streamed.peak_bytes} bytes)")
-    raise ValueError(
+    needed = min(result.peak_bytes, smallest.peak_bytes)
+    raise BudgetError(
         f"policy {str(result.policy)!r} needs at least {format_bytes(result.peak_bytes)} "
         f"({result.peak_bytes} bytes) for this model and input, more than the budget of "
         f"{format_bytes(budget)}{hint}. Raise the budget to at least "
-        f"{format_bytes(min(result.peak_bytes, smallest.peak_bytes))} or use a smaller batch.")
+        f"{format_bytes(needed)} or use a smaller batch.", needed, str(result.policy))
 
 
 def plan(model, example_input, policy="superneurons", budget=None, *,

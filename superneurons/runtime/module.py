@@ -15,7 +15,10 @@ Rule 2: when the budget holds the whole step with liveness alone, the model runs
         the next step that fits runs untouched again (the same holds for "auto" choosing
         liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
-        smallest budget that would work.
+        smallest budget that would work. On CUDA the budget also holds what the model does not
+        own, read before every step: where that grew past what a managed plan leaves (the
+        optimizer's state, made by the first step), the plan is made again within what is
+        left before the step runs, or the ValueError names the budget that would hold both.
 Rule 4: no grad (evaluation) runs the model untouched, except with state on the host (Rule 6).
 Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
         memory and streams them through the device layer by layer (state.py); the model is run
@@ -53,7 +56,7 @@ from ..capture.entry import Arguments, flat_inputs
 from ..capture.autocast import autocast_state
 from ..capture.hf import packed_positions, without_full_mask
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
-from ..planner.plan import parse_state
+from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor, foreign_bytes
@@ -160,18 +163,30 @@ class SuperNeuronsModule(nn.Module):
             return key, planned
         self._executors.move_to_end(key)
         plan, executor = planned
-        if executor is None and self.budget_bytes is not None and \
-                self.policy in _DECIDES_UNTOUCHED and reads_device_memory(device):   # Rule 2
-            foreign = foreign_bytes(plan.graph, tensors, device, parameters)
-            if not untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
-                # kept beside the untouched plan: memory others hold may be passing (a
-                # previous micro-batch's activations, another model's step)
-                if key not in self._fallbacks:
-                    log.info("optimizer state fills the device: planning the step within what "
-                             "is left")
-                    self._fallbacks[key] = self._plan(key, plan.graph, device, foreign)
-                return key, self._fallbacks[key]
-        return key, planned
+        if self.budget_bytes is None or not reads_device_memory(device) or \
+                (executor is None and self.policy not in _DECIDES_UNTOUCHED):
+            return key, planned
+        foreign = foreign_bytes(plan.graph, tensors, device, parameters,
+                                state_on_device=self.state == "device")
+        plans = self._executors
+        if executor is None:                                                     # Rule 2
+            if untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
+                return key, planned
+            # kept beside the untouched plan: memory others hold may be passing (a previous
+            # micro-batch's activations, another model's step)
+            plans = self._fallbacks
+            if key not in plans:
+                log.info("optimizer state fills the device: planning the step within what "
+                         "is left")
+                plans[key] = self._plan(key, plan.graph, device, foreign)
+            plan, executor = plans[key]
+        if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
+            log.info("%s on the device are not the model's: planning the step again within "
+                     "what is left", format_bytes(foreign))
+            replanned = self._plan(key, plan.graph, device, foreign)
+            self._drop(executor)
+            plans[key] = replanned
+        return key, plans[key]
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
@@ -263,7 +278,19 @@ class SuperNeuronsModule(nn.Module):
         log.info("planning %d layers: %s within %s", len(graph.layers), self.policy,
                  "its own floor" if self.budget_bytes is None else format_bytes(self.budget_bytes))
         began = time.perf_counter()
-        planned = self._choose_plan(graph, device, foreign)
+        try:
+            planned = self._choose_plan(graph, device, foreign)
+        except BudgetError as error:
+            if not foreign:
+                raise
+            raise BudgetError(
+                f"policy {error.policy!r} needs at least {format_bytes(error.needed_bytes)} for "
+                f"this model and input, and {format_bytes(foreign)} on {device} are tensors the "
+                "model does not own (optimizer state, made by the first step: momentum, Adam's "
+                "moments; the caller's other tensors): together more than the budget of "
+                f"{format_bytes(self.budget_bytes)}. Raise the budget to at least "
+                f"{format_bytes(error.needed_bytes + foreign)} or use a smaller batch.",
+                error.needed_bytes + foreign, error.policy) from None
         self._made(key, planning_seconds=time.perf_counter() - began)
         plan, executor = planned
         log.info("planned: %s, predicted peak %s%s", plan.policy, format_bytes(plan.peak_bytes),
