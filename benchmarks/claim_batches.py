@@ -1,0 +1,81 @@
+"""The largest batch whose plan still fits the budget once the optimizer has state: a planner
+question, answered on the meta device (no GPU). SGD with momentum keeps one buffer per
+parameter from its first step on, and the wrapper then plans the step again within what the
+budget leaves (module Rule 3), so a batch trains at steady state only if the policy's floor
+fits the budget less the momentum buffers and what PyTorch itself keeps on the device.
+
+    python benchmarks/claim_batches.py OUT [--networks ...] [--budget-gib 11.5]
+
+Writes OUT/claim_batches.json: per network, the one-step largest (floor within the budget) and
+the steady-state largest (floor within the budget less momentum), by bisection on batch size.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import superneurons as sn
+from superneurons import models
+
+# what else stays allocated on the device after a step besides momentum (cuBLAS's and cuDNN's
+# workspaces PyTorch keeps, the labels): foreign bytes less momentum in step 2 of DenseNet-201
+# and VGG16 (benchmarks/results/claims_high_water_calibration.json: 68,380,536 and 68,161,728)
+OTHERS_BYTES = 68_380_536
+NETWORKS = ("resnet50", "resnet101", "resnet152", "densenet201", "inception_v4", "vgg16",
+            "alexnet")
+
+
+def floor_bytes(network: str, batch: int) -> int:
+    model = models.build(network)
+    return sn.plan(model, models.input_shape(network, batch), policy="superneurons").peak_bytes
+
+
+def largest(fits, low: int = 1, high: int = 8192) -> int:
+    """The largest batch in [low, high] for which ``fits`` holds (fits is monotone)."""
+    if not fits(low):
+        return 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--networks", nargs="*", default=list(NETWORKS))
+    parser.add_argument("--budget-gib", type=float, default=11.5)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import write
+    budget = int(args.budget_gib * 2**30)
+    rows = []
+    for network in args.networks:
+        began = time.perf_counter()
+        with torch.device("meta"):
+            momentum = sum(p.numel() * p.element_size() for p in models.build(network).parameters())
+        floors = {}
+
+        def floor(batch):
+            if batch not in floors:
+                floors[batch] = floor_bytes(network, batch)
+            return floors[batch]
+        one_step = largest(lambda b: floor(b) <= budget)
+        steady = largest(lambda b: floor(b) + momentum + OTHERS_BYTES <= budget, high=one_step)
+        rows.append({"network": network, "momentum_bytes": momentum, "others_bytes": OTHERS_BYTES,
+                     "one_step_batch": one_step, "one_step_floor_bytes": floor(one_step),
+                     "steady_batch": steady, "steady_floor_bytes": floor(steady),
+                     "seconds": time.perf_counter() - began})
+        print(rows[-1], flush=True)
+        write(os.path.join(args.out, "claim_batches.json"),
+              {"command": " ".join(sys.argv), "budget_bytes": budget, "results": rows},
+              quiet=True)
+    write(os.path.join(args.out, "claim_batches.json"),
+          {"command": " ".join(sys.argv), "budget_bytes": budget, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
