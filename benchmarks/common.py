@@ -80,8 +80,14 @@ def calibration_of(wrapped) -> dict:
     executor = last[1] if last else None
     if executor is None:
         return {}
-    return {"excess_bytes": executor.excess_bytes, "seen_excess_bytes": executor.seen_excess,
-            "foreign_bytes": executor.foreign_bytes}
+    row = {"excess_bytes": executor.excess_bytes, "seen_excess_bytes": executor.seen_excess,
+           "foreign_bytes": executor.foreign_bytes}
+    step = executor.calibration.seen_at
+    if step is not None:            # where the largest excess was read: a forward or backward step
+        order, n = executor.plan.order, executor.num_layers
+        layer = executor.graph.layers[order[step] if step < n else order[2 * n - 1 - step]]
+        row["seen_excess_at"] = f"{'forward' if step < n else 'backward'} {layer.name}"
+    return row
 
 
 def write(path: str, record: dict, quiet: bool = False) -> None:

@@ -21,10 +21,10 @@ def test_the_largest_excess_seen_is_left_at_every_later_step(allocator):
     steps = Calibration(torch.device("cuda"), budget_bytes=1000 * MIB)
     assert steps.begin_step()
     assert steps.outside(100 * MIB) == int(FIRST_STEP_MARGIN * 100 * MIB)   # nothing seen yet
-    for planned, real in ((100, 130), (300, 310), (200, 180)):
+    for step, (planned, real) in enumerate(((100, 130), (300, 310), (200, 180))):
         allocator["bytes"] = (50 + 40 + real) * MIB          # user's 50, pool's 40
-        steps.observe(others=50 * MIB, planned=planned * MIB, pool=40 * MIB)
-    assert steps.seen_excess == 30 * MIB
+        steps.observe(step, others=50 * MIB, planned=planned * MIB, pool=40 * MIB)
+    assert steps.seen_excess == 30 * MIB and steps.seen_at == 0
     assert steps.begin_step()                                # the second calibrating step
     assert steps.outside(100 * MIB) == 130 * MIB + steps.slack
     assert not steps.begin_step()                            # later steps trust it

@@ -41,6 +41,7 @@ class Calibration:
         self.slack = int(budget_bytes * SLACK_SHARE)
         self.excess_bytes = None    # what every step adds to the plan, once calibrated
         self.seen_excess = None     # the largest excess the readings found
+        self.seen_at = None         # the timeline step of that reading
         self.left = CALIBRATION_STEPS
         self.active = False
         self.seconds = 0.0          # host time spent reading (StepStats)
@@ -71,9 +72,10 @@ class Calibration:
         finally:
             self.seconds += time.perf_counter() - began
 
-    def observe(self, others: int, planned: int, pool: int) -> None:
-        """One reading at a layer boundary: ``others``, the user's bytes (optimizer state, their
-        tensors); ``planned``, the plan's bytes outside the pool there; ``pool``, what the pool
-        holds."""
-        current = self.read()
-        self.seen_excess = max(self.seen_excess or 0, current - others - pool - planned)
+    def observe(self, step: int, others: int, planned: int, pool: int) -> None:
+        """One reading at timeline ``step``'s boundary: ``others``, the user's bytes (optimizer
+        state, their tensors); ``planned``, the plan's bytes outside the pool there; ``pool``,
+        what the pool holds."""
+        excess = self.read() - others - pool - planned
+        if self.seen_excess is None or excess > self.seen_excess:
+            self.seen_excess, self.seen_at = max(0, excess), step

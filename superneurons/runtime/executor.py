@@ -227,7 +227,7 @@ class Executor:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            self.calibration.observe(self.foreign_bytes, self.unmanaged[step],
+            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step],
                                      self.pool.exact_device_bytes)
 
     @property
