@@ -131,6 +131,19 @@ class Executor:
         self._replay_liveness(graph)
         self.unmanaged = plan.unmanaged_per_step()
         self.pool_created = plan.managed_created_per_step()
+        # planned pool storages a layer's outputs hold: on the device from that layer on, but
+        # an entry only once a layer saves them (an output the next layer saves, a branch's
+        # output the join saves): until then the pool's room and the calibration count them
+        # apart, for as long as the forward's environment holds them (Rule 4)
+        managed = {b.storage: b.nbytes for b in plan.buffers
+                   if b.managed and b.storage is not None}
+        self.pool_storages_of = {}         # fx node -> ((storage, bytes), ...)
+        for layer in graph.layers:
+            held = {graph.values[v].storage for v in layer.outputs} & managed.keys()
+            if held:
+                self.pool_storages_of[layer.node] = tuple((s, managed[s]) for s in held)
+        self.holders: dict = {}            # storage -> nodes of the environment holding it
+        self.awaiting: dict = {}           # storage -> bytes, made for the pool, not entries yet
         self.unmanaged_max = _RangeMax(self.unmanaged)
         self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
@@ -213,7 +226,8 @@ class Executor:
         if self.device.type == "cuda":
             outside = self.calibration.outside(outside)
             if self.calibrating:
-                ours = self.calibration.read() - self.pool.exact_device_bytes
+                ours = self.calibration.read() - self.pool.exact_device_bytes - \
+                    self._awaiting_bytes()
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
@@ -221,13 +235,34 @@ class Executor:
         """The pool's room after forward step ``position``: the next layer allocates before the
         pool can act again, so what it adds outside the pool and into it is left free now."""
         following = min(position + 1, len(self.pool_created) - 1)
-        return self.allowance(position, following) - self.pool_created[following]
+        return self.allowance(position, following) - self.pool_created[following] - \
+            self._awaiting_bytes()
+
+    def _hold(self, node) -> None:
+        for storage, nbytes in self.pool_storages_of.get(node, ()):
+            self.holders[storage] = self.holders.get(storage, 0) + 1
+            self.awaiting[storage] = nbytes
+
+    def _let_go(self, node) -> None:
+        for storage, _ in self.pool_storages_of.get(node, ()):
+            self.holders[storage] -= 1
+            if not self.holders[storage]:
+                self.awaiting.pop(storage, None)
+
+    def _awaiting_bytes(self) -> int:
+        """Bytes of planned pool storages made in this forward that no layer has saved yet."""
+        if not self.awaiting:
+            return 0
+        for storage in [s for s in self.awaiting if (self.step_id, s) in self.pool.entries]:
+            del self.awaiting[storage]
+        return sum(self.awaiting.values())
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
         self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
         if self.calibrating:
-            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step],
+            self.calibration.observe(step, self.foreign_bytes,
+                                     self.unmanaged[step] + self._awaiting_bytes(),
                                      self.pool.exact_device_bytes)
 
     @property
@@ -256,7 +291,7 @@ class Executor:
                                   for name in self.plan.resident_state])
         self._read_state()
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        self.records, self.pending = {}, []
+        self.records, self.pending, self.awaiting, self.holders = {}, [], {}, {}
         self.backward_step = None      # step numbers repeat every training step
         self.autocast = capture_autocast(self.device)
         if self.device.type == "cuda" and self.reads_allocator is None:
@@ -291,17 +326,20 @@ class Executor:
                     self.pending, self.counter = [], 0
                     out = self._call(layer, call_args, kwargs, trains=True)
                 env[layer.node] = out
+                self._hold(layer.node)
                 if self.tier is not None:
                     self.tier.end_layer(layer.node, out)
                 if self.pending:
                     self._resolve(layer, position, inputs, out)
                 for node in self.free_after[position]:
-                    env.pop(node, None)
+                    if env.pop(node, None) is not None:
+                        self._let_go(node)
                 # room for the next layer: what only this layer read may leave now
                 self.pool.make_room(position + 1, forward=True,
                                     limit=self._room_for_next(position))
                 self._account(position)
         self.layer = self.segment = None
+        self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
             self.tier.end_forward()
         for record in self.records.values():
