@@ -10,7 +10,8 @@ Rule 3: parameters and buffers are model state: saved as they are, never moved, 
         the model at every step.
 Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan (allocator
         rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
-        what is really allocated when that is more than the plan says, and calibrate the
+        what is really allocated when that is more than the plan says (the pool's entries and
+        the planned pool tensors no layer has saved yet are the plan's), and calibrate the
         excess: the largest seen, in bytes, is added at every step (calibration.py; a ratio
         would scale a workspace measured beside a small step up to every large one: 3.3x once,
         budget_margin.json). Later steps trust the calibration (a reading costs host time

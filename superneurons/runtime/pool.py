@@ -12,7 +12,8 @@ Rule 2: in backward, tensors come back ahead of need, in the order the route wil
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
         that step needs; on CUDA, less what is really allocated outside the pool, if more. In
         forward the room is made after each layer for the next one, which allocates before the
-        pool can act again.
+        pool can act again, and leaves out the planned pool tensors no layer has saved yet
+        (they become entries when one does: the executor counts them).
 Rule 4: an entry whose offload is in flight still holds its device bytes (mover Rule 1): the pool
         counts them until the copy has finished, and waits for the oldest copies when the budget
         needs their room now.
