@@ -175,10 +175,11 @@ def test_transformers_own_functions_are_untouched_outside_an_export():
     assert masking.find_packed_sequence_indices(packed) is not None
 
 
-@pytest.mark.xfail(strict=True, reason="known: Qwen3's per-head q_norm weight gradients differ from "
-                   "plain PyTorch's (bf16: superneurons, recompute, offload with state on the "
-                   "host; fp32: recompute), before capture/hf.py as after; cause not found")
-def test_qwen3_per_head_norms_match_plain():
+@pytest.mark.parametrize("policy,state", [("recompute", "device"), ("offload", "device"),
+                                          ("superneurons", "device"), ("superneurons", "host")])
+def test_qwen3_per_head_norms_match_plain(policy, state):
+    """Qwen3 interleaves its q and k branches (q_proj, q_norm, k_proj, k_norm); run in another
+    order their backward sums q_norm's weight gradient in another order (planner/route.py)."""
     def build():
         torch.manual_seed(0)
         config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -188,5 +189,6 @@ def test_qwen3_per_head_norms_match_plain():
         return transformers.Qwen3ForCausalLM(config).train()
     kwargs = _calls()["padded mask"]
     plain = _train(lambda m: m, kwargs, build=build)
-    _assert_same(plain, _train(lambda m: sn.wrap(m, policy="recompute", budget=None), kwargs,
+    where = {"state": "host", "device": "cpu"} if state == "host" else {}
+    _assert_same(plain, _train(lambda m: sn.wrap(m, policy=policy, budget=None, **where), kwargs,
                                build=build))

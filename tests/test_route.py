@@ -1,4 +1,4 @@
-"""Algorithm 1 on the paper's Figure 6, and topological order on every zoo network."""
+"""The route on the paper's Figure 6, and topological order on every zoo network."""
 
 import pytest
 import torch
@@ -31,14 +31,15 @@ class NestedFans(nn.Module):
         return self.j(self.i(e, g, h))
 
 
-def test_figure6_route_waits_for_every_branch():
+def test_figure6_route_runs_the_model_s_own_order_and_waits_for_every_branch():
+    """Program order (the paper's depth-first Algorithm 1 would run e before d: planner/route.py
+    says why the model's own order is kept); the join i runs after all its branches."""
     graph = capture(NestedFans(), (2, 3))
     plan = plan_graph(graph, "liveness")
-    # depth first: the c branch runs to e, then i waits; d's fan runs g, then h, then i
-    assert plan.route == list("abcedfghij")
+    assert plan.route == list("abcdefghij")
     assert {graph.layers[d].name for d in graph.deps(graph.layer("i").index)} == {"e", "g", "h"}
     assert len(plan.steps) == 2 * len(plan.route)
-    assert [s.layer for s in plan.steps[10:]] == list("jihgfdecba")
+    assert [s.layer for s in plan.steps[10:]] == list("jihgfedcba")
 
 
 ZOO = ["alexnet", "vgg16", "vgg19", "resnet50", "inception_v4", "densenet121", "densenet_cifar"]

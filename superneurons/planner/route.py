@@ -1,9 +1,15 @@
-"""The execution route: the paper's Algorithm 1.
+"""The execution route: the order forward runs the layers in, and backward runs reversed.
 
-Depth-first from the input; a layer joins the route only once every layer it depends on is in
-it (the join counter), so fans run branch after branch and a join waits for all its branches.
-Backward is the route reversed. Written with an explicit stack: networks of thousands of layers
-would overflow Python's recursion limit.
+The route is the model's own program order, the order capture recorded the operations in: a
+topological order of the layer graph, where a fan's branches run one after another as the
+model's code wrote them and a join runs once all its branches have.
+
+The paper's Algorithm 1 walks the graph depth first instead. On the paper's networks (and every
+network of the zoo) both orders are the same. Where they differ (an exported attention layer
+whose code interleaves its q, k and v branches), the depth-first order is not exact: autograd
+numbers each node as forward creates it and runs backward by those numbers, so a forward
+reordered across branches sums gradients in another order (Qwen3's q_norm weight gradient was
+2.3e-10 from plain PyTorch's, tests/test_hf_paths.py).
 """
 
 from ..capture import LayerGraph
@@ -12,24 +18,10 @@ __all__ = ["route"]
 
 
 def route(graph: LayerGraph) -> list:
-    """Layer indices in forward execution order (a topological order of ``graph``)."""
-    num_layers = len(graph.layers)
-    deps = [graph.deps(i) for i in range(num_layers)]
-    children = [[] for _ in range(num_layers)]
-    for index in range(num_layers):
-        for parent in sorted(deps[index]):
-            children[parent].append(index)
-    for kids in children:
-        kids.sort()           # visit consumers in program order, as the model's code wrote them
-    counters = [0] * num_layers
-    roots = [i for i in range(num_layers) if not deps[i]]
-    order, stack = [], list(reversed(roots))
-    while stack:
-        layer = stack.pop()
-        counters[layer] += 1
-        if counters[layer] < len(deps[layer]):
-            continue          # Alg. 1 line 5: wait for the remaining inputs
-        order.append(layer)
-        stack.extend(reversed(children[layer]))
-    assert len(order) == num_layers, "the layer graph has a cycle"
+    """Layer indices in forward execution order: program order, checked to be topological."""
+    order = list(range(len(graph.layers)))
+    for index in order:
+        if any(dep >= index for dep in graph.deps(index)):
+            raise ValueError(f"layer {graph.layers[index].name!r} reads a layer recorded after "
+                             "it: the captured graph is not in program order; please report this")
     return order
