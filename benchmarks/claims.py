@@ -71,7 +71,7 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
         import traceback
         row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
         row["trace"] = traceback.format_exc().splitlines()[-16:]
-        row["failed_in"] = calibration_of(wrapped)
+        row["calibration_at_failure"] = calibration_of(wrapped)   # the last plan run
     import resource                        # pinned host memory counts in the process's RSS
     row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # trains: every step ran within the cap; budget_held: and every peak within the budget

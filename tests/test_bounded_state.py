@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import superneurons as sn
 from superneurons import models
 from superneurons.runtime import host, module
+from superneurons.runtime.executor import Executor
 
 
 def small_resnet():
@@ -292,6 +293,9 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
     first = sn.plan(small_resnet(), x, policy="superneurons", budget=budget).peak_bytes
     assert floor < first <= budget                   # fewer replays than the floor plan
     device = FakeDevice(monkeypatch)
+    closed = []
+    close = Executor.close
+    monkeypatch.setattr(Executor, "close", lambda self: (closed.append(self), close(self)))
     model = small_resnet()
     plain, managed = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
@@ -312,7 +316,7 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
                 assert plan.peak_bytes + foreign <= budget
     assert executors[0] is not executors[1]
     assert executors[1] is executors[2] is executors[3]
-    assert not executors[0].pool.host_memory.chunks            # the first plan was given back
+    assert closed == [executors[0]]                             # the first plan was given back
     assert torch.equal(torch.stack(losses["plain"]), torch.stack(losses["wrapped"]))
     assert_same_state(plain, managed)
     device.foreign = budget - floor + 1                         # not even the floor fits
@@ -321,6 +325,47 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
         wrapped(x)
     assert sn.units.format_bytes(floor + device.foreign) in str(error.value)
     assert all(torch.equal(a, b) for a, b in zip(before, managed.parameters()))
+
+
+def test_the_error_beside_others_memory_names_the_policy_s_own_need_and_the_smallest(
+        monkeypatch):
+    x, y = batch(2)
+    recompute = sn.plan(small_resnet(), x, policy="recompute").peak_bytes
+    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    assert floor < recompute
+    device = FakeDevice(monkeypatch)
+    wrapped = sn.wrap(small_resnet(), policy="recompute", budget=liveness)
+    F.nll_loss(wrapped(x), y).backward()
+    device.foreign = liveness - floor + 1
+    with pytest.raises(ValueError) as error:
+        wrapped(x)
+    message = str(error.value)
+    assert f"policy 'recompute' needs at least {sn.units.format_bytes(recompute)}" in message
+    assert f"policy 'superneurons' needs {sn.units.format_bytes(floor)}" in message
+    assert f"at least {sn.units.format_bytes(floor + device.foreign)}" in message
+
+
+def test_a_step_in_flight_is_not_read_as_memory_others_hold(monkeypatch):
+    """Gradient accumulation: two forwards, then one backward. While the first call's step is in
+    flight its tensors are on the device; the second call must not plan again as though they
+    were another's, and training stays exact."""
+    x, y = batch(8)
+    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    budget = (floor + liveness) // 2
+    device = FakeDevice(monkeypatch)
+    model = small_resnet()
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
+    for net in (plain, wrapped):
+        device.foreign = 0
+        first = F.nll_loss(net(x), y)
+        device.foreign = budget          # as a reading would count the first call's tensors
+        second = F.nll_loss(net(x), y)
+        (first + second).backward()
+    assert len(wrapped._executors) == 1 and not wrapped._fallbacks
+    assert_same_state(plain, managed)
 
 
 def test_the_untouched_path_reads_nothing_off_cuda_or_without_a_budget(monkeypatch):

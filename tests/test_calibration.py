@@ -33,7 +33,8 @@ def test_the_largest_excess_seen_is_left_at_every_later_step(allocator):
 
 def test_an_out_of_memory_retry_calibrates_again(allocator):
     steps = Calibration(torch.device("cuda"), budget_bytes=1000 * MIB)
-    steps.begin_step(), steps.begin_step()
+    for _ in range(2):
+        steps.begin_step()
     assert not steps.begin_step()
     steps.again()
     assert steps.begin_step()

@@ -105,7 +105,9 @@ def _train(args, progress: Progress) -> None:
     progress.say(f"{args.model} at batch {args.batch} on {device}")
     began = time.perf_counter()
     with autocast:
-        stats_of.plan_for(x)    # a budget too small fails here, before any step
+        # a budget too small fails here, before any step; one that the optimizer's state
+        # (made by the first step) leaves too small fails before the second
+        stats_of.plan_for(x)
     progress.steps(args.steps)
     start = time.perf_counter()
     first_step_seconds = None

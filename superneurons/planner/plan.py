@@ -282,12 +282,15 @@ def parse_state(state) -> str:
 
 
 class BudgetError(ValueError):
-    """A budget below what a plan needs; ``needed_bytes``: the smallest budget that would work,
-    ``policy``: the policy that needs it."""
+    """A budget below what a plan needs. ``peak_bytes``: what ``policy`` needs; ``needed_bytes``:
+    the smallest budget that would work with any policy; ``hint``: the other policies' and the
+    host tier's needs, as the message gives them."""
 
-    def __init__(self, message: str, needed_bytes: int, policy: str):
+    def __init__(self, message: str, policy: str, peak_bytes: int, needed_bytes: int,
+                 hint: str = ""):
         super().__init__(message)
-        self.needed_bytes, self.policy = needed_bytes, policy
+        self.policy, self.peak_bytes, self.needed_bytes, self.hint = \
+            policy, peak_bytes, needed_bytes, hint
 
 
 def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
@@ -306,7 +309,8 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
         f"policy {str(result.policy)!r} needs at least {format_bytes(result.peak_bytes)} "
         f"({result.peak_bytes} bytes) for this model and input, more than the budget of "
         f"{format_bytes(budget)}{hint}. Raise the budget to at least "
-        f"{format_bytes(needed)} or use a smaller batch.", needed, str(result.policy))
+        f"{format_bytes(needed)} or use a smaller batch.", str(result.policy), result.peak_bytes,
+        needed, hint)
 
 
 def plan(model, example_input, policy="superneurons", budget=None, *,

@@ -41,7 +41,7 @@ class Calibration:
         self.slack = int(budget_bytes * SLACK_SHARE)
         self.excess_bytes = None    # what every step adds to the plan, once calibrated
         self.seen_excess = None     # the largest excess the readings found
-        self.seen_at = None         # the timeline step of that reading
+        self.seen_at = None         # the timeline step of that reading, where it is above 0
         self.left = CALIBRATION_STEPS
         self.active = False
         self.seconds = 0.0          # host time spent reading (StepStats)
@@ -76,6 +76,7 @@ class Calibration:
         """One reading at timeline ``step``'s boundary: ``others``, the user's bytes (optimizer
         state, their tensors); ``planned``, the plan's bytes outside the pool there; ``pool``,
         what the pool holds."""
-        excess = self.read() - others - pool - planned
+        excess = max(0, self.read() - others - pool - planned)
         if self.seen_excess is None or excess > self.seen_excess:
-            self.seen_excess, self.seen_at = max(0, excess), step
+            self.seen_excess = excess
+            self.seen_at = step if excess else None

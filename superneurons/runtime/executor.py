@@ -239,12 +239,12 @@ class Executor:
         return self.allowance(position, following) - self.pool_created[following] - \
             self._awaiting_bytes()
 
-    def _hold(self, node) -> None:
+    def _env_holds(self, node) -> None:
         for storage, nbytes in self.pool_storages_of.get(node, ()):
             self.holders[storage] = self.holders.get(storage, 0) + 1
             self.awaiting[storage] = nbytes
 
-    def _let_go(self, node) -> None:
+    def _env_drops(self, node) -> None:
         for storage, _ in self.pool_storages_of.get(node, ()):
             self.holders[storage] -= 1
             if not self.holders[storage]:
@@ -260,10 +260,11 @@ class Executor:
 
     def _account(self, step: int) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
-        self.accounted_peak = max(self.accounted_peak, self.unmanaged[step] + self.pool.device_bytes)
+        awaiting = self._awaiting_bytes()
+        self.accounted_peak = max(self.accounted_peak,
+                                  self.unmanaged[step] + self.pool.device_bytes + awaiting)
         if self.calibrating:
-            self.calibration.observe(step, self.foreign_bytes,
-                                     self.unmanaged[step] + self._awaiting_bytes(),
+            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step] + awaiting,
                                      self.pool.exact_device_bytes)
 
     @property
@@ -327,14 +328,14 @@ class Executor:
                     self.pending, self.counter = [], 0
                     out = self._call(layer, call_args, kwargs, trains=True)
                 env[layer.node] = out
-                self._hold(layer.node)
+                self._env_holds(layer.node)
                 if self.tier is not None:
                     self.tier.end_layer(layer.node, out)
                 if self.pending:
                     self._resolve(layer, position, inputs, out)
                 for node in self.free_after[position]:
                     if env.pop(node, None) is not None:
-                        self._let_go(node)
+                        self._env_drops(node)
                 # room for the next layer: what only this layer read may leave now
                 self.pool.make_room(position + 1, forward=True,
                                     limit=self._room_for_next(position))

@@ -65,6 +65,9 @@ from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 from .structure import Structure
 
+# a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
+# for that memory to grow into, so that a step does not plan again at every few megabytes
+REPLAN_SLACK = 50
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
 # policies whose untouched run is a decision that the step fits (Rule 2), not the policy itself
 _DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
@@ -166,6 +169,13 @@ class SuperNeuronsModule(nn.Module):
         if self.budget_bytes is None or not reads_device_memory(device) or \
                 (executor is None and self.policy not in _DECIDES_UNTOUCHED):
             return key, planned
+        if executor is not None:
+            # a step of this wrapper still in flight (gradient accumulation: two forwards,
+            # then one backward) holds bytes the reading would take for another's; the
+            # executor's own reading at the step's start counts them against its pool
+            if self._in_flight():
+                return key, planned
+            self._keep_state_of(None)      # other plans' resident copies are not another's
         foreign = foreign_bytes(plan.graph, tensors, device, parameters,
                                 state_on_device=self.state == "device")
         plans = self._executors
@@ -183,10 +193,20 @@ class SuperNeuronsModule(nn.Module):
         if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
-            replanned = self._plan(key, plan.graph, device, foreign)
+            try:   # with room for what is not the model's to creep (losses kept on the device)
+                replanned = self._plan(key, plan.graph, device,
+                                       foreign + self.budget_bytes // REPLAN_SLACK)
+            except BudgetError:
+                replanned = self._plan(key, plan.graph, device, foreign)
             self._drop(executor)
             plans[key] = replanned
         return key, plans[key]
+
+    def _in_flight(self) -> bool:
+        """Whether any step of this wrapper has handles alive (module Rule 5)."""
+        return bool(self._retiring) or any(
+            executor is not None and executor.in_flight
+            for _, executor in (*self._executors.values(), *self._fallbacks.values()))
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
@@ -283,14 +303,17 @@ class SuperNeuronsModule(nn.Module):
         except BudgetError as error:
             if not foreign:
                 raise
+            whose = ("the optimizer's state, made by its first step (momentum, Adam's moments), "
+                     "and the caller's other tensors" if self.state == "device" else
+                     "the caller's other tensors")
             raise BudgetError(
-                f"policy {error.policy!r} needs at least {format_bytes(error.needed_bytes)} for "
-                f"this model and input, and {format_bytes(foreign)} on {device} are tensors the "
-                "model does not own (optimizer state, made by the first step: momentum, Adam's "
-                "moments; the caller's other tensors): together more than the budget of "
-                f"{format_bytes(self.budget_bytes)}. Raise the budget to at least "
+                f"policy {error.policy!r} needs at least {format_bytes(error.peak_bytes)} for "
+                f"this model and input{error.hint}, and {format_bytes(foreign)} on {device} "
+                f"are tensors the model does not own ({whose}): together more than the budget "
+                f"of {format_bytes(self.budget_bytes)}. Raise the budget to at least "
                 f"{format_bytes(error.needed_bytes + foreign)} or use a smaller batch.",
-                error.needed_bytes + foreign, error.policy) from None
+                error.policy, error.peak_bytes + foreign, error.needed_bytes + foreign,
+                error.hint) from None
         self._made(key, planning_seconds=time.perf_counter() - began)
         plan, executor = planned
         log.info("planned: %s, predicted peak %s%s", plan.policy, format_bytes(plan.peak_bytes),
