@@ -193,3 +193,17 @@ def test_qwen3_per_head_norms_match_plain(policy, state, bf16):
     where = {"state": "host", "device": "cpu"} if state == "host" else {}
     _assert_same(plain, _train(lambda m: sn.wrap(m, policy=policy, budget=None, **where), kwargs,
                                build=build, autocast=bf16))
+
+
+def test_a_training_call_that_returns_a_cache_says_to_turn_it_off():
+    """GPT-2's config asks for a key-value cache; returned from a training call it cannot be
+    captured: the error says what to pass instead, and the call with it trains."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, n_positions=32,
+                                     vocab_size=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (2, 8))
+    wrapped = sn.wrap(model, policy="recompute", budget=None)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        wrapped(input_ids=ids, labels=ids)
+    wrapped(input_ids=ids, labels=ids, use_cache=False).loss.backward()

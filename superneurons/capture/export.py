@@ -113,6 +113,16 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 f"superneurons could not capture {type(model).__name__}: {message}. Code that "
                 "branches on tensor values (not sizes) cannot be captured; move it out of the "
                 "forward, or wrap the part of the model that does not branch.") from error
+        if "Cache" in str(error) and "in output" in str(error):
+            # transformers returns its key-value cache from a training call when the config
+            # asks for one; with dropout, use_cache=False draws other masks than True does,
+            # so superneurons cannot choose for the user without changing their gradients
+            raise ValueError(
+                f"{type(model).__name__} returns a key-value cache from this call ({message}), "
+                "which superneurons cannot capture. A training step does not need it: call the "
+                "model with use_cache=False, or set model.config.use_cache = False before "
+                "training (plain PyTorch's gradients then are the ones superneurons "
+                "reproduces).") from error
         raise ValueError(
             f"calling {type(model).__name__} with these arguments fails: {message}. Check "
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
