@@ -1,12 +1,12 @@
 """The execution route: the order forward runs the layers in, and backward runs reversed.
 
 The route is the model's own program order, the order capture recorded the operations in: a
-topological order of the layer graph, where a fan's branches run one after another as the
-model's code wrote them and a join runs once all its branches have.
+topological order of the layer graph, where a fan's branches run as the model's code runs them
+and a join runs once all its branches have.
 
 The paper's Algorithm 1 walks the graph depth first instead. On the paper's networks (and every
 network of the zoo) both orders are the same. Where they differ (an exported attention layer
-whose code interleaves its q, k and v branches), the depth-first order is not exact: autograd
+whose code interleaves its q and k branches), the depth-first order is not exact: autograd
 numbers each node as forward creates it and runs backward by those numbers, so a forward
 reordered across branches sums gradients in another order (Qwen3's q_norm weight gradient was
 2.3e-10 from plain PyTorch's, tests/test_hf_paths.py).
