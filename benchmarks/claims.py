@@ -66,6 +66,10 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
                 # the first step's parts: host memory taken (pinned), allocator readings
                 "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
                 "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
+                # a plan made again beside the optimizer's state shows as planning time and
+                # another predicted peak (module Rule 3)
+                "planning_seconds": getattr(stats, "planning_seconds", 0.0),
+                "predicted_peak_bytes": getattr(stats, "predicted_peak_bytes", None),
                 "budget_held": peak <= BUDGET_GIB * 2**30, **calibration_of(wrapped)})
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
         import traceback
