@@ -33,16 +33,6 @@ def floor_bytes(network: str, batch: int) -> int:
     return sn.plan(model, models.input_shape(network, batch), policy="superneurons").peak_bytes
 
 
-def largest(fits, low: int = 1, high: int = 8192) -> int:
-    """The largest batch in [low, high] for which ``fits`` holds (fits is monotone)."""
-    if not fits(low):
-        return 0
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -50,7 +40,7 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=11.5)
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import write
+    from common import largest, write
     budget = int(args.budget_gib * 2**30)
     rows = []
     for network in args.networks:
@@ -63,8 +53,10 @@ def main():
             if batch not in floors:
                 floors[batch] = floor_bytes(network, batch)
             return floors[batch]
-        one_step = largest(lambda b: floor(b) <= budget)
-        steady = largest(lambda b: floor(b) + momentum + OTHERS_BYTES <= budget, high=one_step)
+        # the planner's floor grows with the batch: bisection to the batch (tolerance 0)
+        one_step, _ = largest(lambda b: floor(b) <= budget, low=64, tolerance=0)
+        steady, _ = largest(lambda b: floor(b) + momentum + OTHERS_BYTES <= budget,
+                            low=max(1, one_step // 2), bound=one_step + 1, tolerance=0)
         rows.append({"network": network, "momentum_bytes": momentum, "others_bytes": OTHERS_BYTES,
                      "one_step_batch": one_step, "one_step_floor_bytes": floor(one_step),
                      "steady_batch": steady, "steady_floor_bytes": floor(steady),

@@ -74,6 +74,22 @@ def rss_bytes() -> int | None:
         return None
 
 
+def gpt2(layers=12, width=768, heads=12, positions=1024, vocab=50257):
+    """An HF GPT2LMHeadModel (GPT-2 small by default), on SDPA attention."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=positions,
+                        vocab_size=vocab)
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def token_batch(device, batch=16, seq=1024, vocab=50257) -> dict:
+    """A causal LM's training call: random tokens as inputs and labels, no cache."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+    return dict(input_ids=ids, labels=ids, use_cache=False)
+
+
 def calibration_of(wrapped) -> dict:
     """The executor's calibrated excess (executor Rule 4) after the step just run, in bytes."""
     last = getattr(wrapped, "_last", None)

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import superneurons as sn  # noqa: E402
-from benchmarks.gpu_today import _gpt2  # noqa: E402
+from benchmarks.common import gpt2 as _gpt2  # noqa: E402
 
 faulthandler.enable()
 device = torch.device("cuda", 0)

@@ -26,17 +26,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import superneurons as sn  # noqa: E402
-from benchmarks.common import environment, write  # noqa: E402
+from benchmarks.common import environment, gpt2 as _gpt2, token_batch, write  # noqa: E402
 
 POLICIES = ("recompute", "superneurons", "offload")
-
-
-def _gpt2(layers=12, width=768, heads=12, positions=1024, vocab=50257):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=positions,
-                        vocab_size=vocab)
-    config._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(config)
 
 
 def _vision(name):
@@ -135,12 +127,6 @@ def exact(out: str, names=()) -> None:
     write(out, record)
 
 
-def _decoder_batch(device, batch=16, seq=1024, vocab=50257):
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
-    return dict(input_ids=ids, labels=ids, use_cache=False)
-
-
 def ratio_one(system: str, cap_bytes: int | None, steps: int = 6, warmup: int = 2) -> dict:
     """One system in this process: tokens/s and peak memory, under ``cap_bytes`` if given."""
     device = torch.device("cuda", 0)
@@ -149,7 +135,7 @@ def ratio_one(system: str, cap_bytes: int | None, steps: int = 6, warmup: int = 
         torch.cuda.set_per_process_memory_fraction(cap_bytes / total, device)
     torch.manual_seed(0)
     model = _gpt2().to(device).train()
-    kwargs = _decoder_batch(device)
+    kwargs = token_batch(device)
     started = time.perf_counter()
     if system == "checkpoint":
         model.gradient_checkpointing_enable(

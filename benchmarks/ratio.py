@@ -35,19 +35,13 @@ IMAGE, SEQUENCE, VOCAB = 224, 1024, 50257
 def build(name: str, system: str, device):
     """(model wrapped for ``system`` except superneurons and compile, inputs, loss function)."""
     import torch
+    from common import gpt2, token_batch
     if name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        config = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=SEQUENCE,
-                            vocab_size=VOCAB)
-        config._attn_implementation = "sdpa"
-        model = GPT2LMHeadModel(config).to(device).train()
+        model = gpt2(positions=SEQUENCE, vocab=VOCAB).to(device).train()
         if system == "checkpoint":
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, VOCAB, (BATCH[name], SEQUENCE), generator=generator).to(device)
-        return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}, \
-            lambda out: out.loss
+        return model, (), token_batch(device, BATCH[name], SEQUENCE, VOCAB), lambda out: out.loss
     import torchvision
     options = {"memory_efficient": True} if system == "checkpoint" and name == "densenet121" \
         else {}
@@ -61,17 +55,10 @@ def build(name: str, system: str, device):
 
 def checkpoint_blocks(model) -> None:
     """torch.utils.checkpoint around every residual block of a torchvision ResNet or
-    EfficientNet (DenseNet has its own: memory_efficient=True)."""
+    EfficientNet (DenseNet has its own: memory_efficient=True). common.CheckpointBlocks finds
+    the zoo's blocks, and in an EfficientNet would nest checkpoints three deep."""
     from torch import nn
-    from torch.utils.checkpoint import checkpoint
-
-    class Checkpointed(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, x):
-            return checkpoint(self.block, x, use_reentrant=False)
+    from common import _Checkpointed
     stages = [getattr(model, f"layer{i}") for i in range(1, 5) if hasattr(model, f"layer{i}")]
     if not stages:                                   # EfficientNet: features' stages of MBConvs
         stages = [stage for stage in model.features if isinstance(stage, nn.Sequential)
@@ -80,7 +67,7 @@ def checkpoint_blocks(model) -> None:
         raise ValueError(f"no blocks to checkpoint in {type(model).__name__}")
     for stage in stages:
         for index, block in enumerate(stage):
-            stage[index] = Checkpointed(block)
+            stage[index] = _Checkpointed(block)
 
 
 def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -> dict:
@@ -88,6 +75,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
+    from common import torch_settings
+    torch_settings()                                 # as every benchmark here: no TF32
     device = torch.device("cuda", 0)
     cap = int(plain_peak * ratio) if ratio else None
     if cap:

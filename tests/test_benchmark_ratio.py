@@ -27,7 +27,7 @@ def test_checkpoint_per_block_gives_plain_gradients(name):
         return [p.grad for p in model.parameters()], model
     plain, _ = grads(False)
     wrapped, model = grads(True)
-    assert any(type(m).__name__ == "Checkpointed" for m in model.modules())
+    assert any(type(m).__name__ == "_Checkpointed" for m in model.modules())
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
 
 

@@ -224,6 +224,25 @@ class FakeDevice:
         return self.foreign
 
 
+def train_beside(device, plain, wrapped, x, y, foreign_per_step, seen) -> dict:
+    """SGD steps with momentum on ``plain`` and ``wrapped`` alike, each beside the step's bytes
+    the model does not own (``device.foreign``, as momentum's buffers would be counted);
+    ``seen(foreign, readings before)`` after each wrapped step; the losses by model."""
+    losses = {"plain": [], "wrapped": []}
+    for name, net in (("plain", plain), ("wrapped", wrapped)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        for foreign in foreign_per_step:
+            device.foreign, calls = foreign, device.calls
+            optimizer.zero_grad()
+            loss = F.nll_loss(net(x), y)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.detach())
+            if net is wrapped:
+                seen(foreign, calls)
+    return losses
+
+
 @pytest.mark.parametrize("policy", ["superneurons", "auto"])
 def test_optimizer_state_past_the_budget_plans_the_step_again(monkeypatch, policy):
     """Rule 2: the first step fits untouched; the optimizer's state then grows the memory the
@@ -239,20 +258,13 @@ def test_optimizer_state_past_the_budget_plans_the_step_again(monkeypatch, polic
     model = small_resnet()
     plain, managed = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = sn.wrap(managed, policy=policy, budget=budget)
-    losses = {"plain": [], "wrapped": []}
     untouched, readings = [], []
-    for name, net in (("plain", plain), ("wrapped", wrapped)):
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        for foreign in (0, 1000, (liveness - floor) // 2, (liveness - floor) // 2, 1000):
-            device.foreign, calls = foreign, device.calls  # momentum's buffers, as counted
-            optimizer.zero_grad()
-            loss = F.nll_loss(net(x), y)
-            loss.backward()
-            optimizer.step()
-            losses[name].append(loss.detach())
-            if net is wrapped:
-                readings.append(device.calls - calls)
-                untouched.append(wrapped._last[1] is None)           # the step's executor
+
+    def seen(foreign, calls):
+        readings.append(device.calls - calls)
+        untouched.append(wrapped._last[1] is None)                   # the step's executor
+    losses = train_beside(device, plain, wrapped, x, y,
+                          (0, 1000, (liveness - floor) // 2, (liveness - floor) // 2, 1000), seen)
     # the 3rd and 4th steps no longer fit; once the memory others hold is gone, untouched again
     assert untouched == [True, True, False, False, True]
     assert readings == [1, 1, 1, 1, 1]              # the untouched plan is checked every step
@@ -300,20 +312,13 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
     plain, managed = copy.deepcopy(model), copy.deepcopy(model)
     wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
     grown = budget - first + 1                       # the first plan no longer fits
-    losses, executors = {"plain": [], "wrapped": []}, []
-    for name, net in (("plain", plain), ("wrapped", wrapped)):
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        for foreign in (0, grown, grown, 0):
-            device.foreign = foreign
-            optimizer.zero_grad()
-            loss = F.nll_loss(net(x), y)
-            loss.backward()
-            optimizer.step()
-            losses[name].append(loss.detach())
-            if net is wrapped:
-                plan, executor = wrapped._last[:2]
-                executors.append(executor)
-                assert plan.peak_bytes + foreign <= budget
+    executors = []
+
+    def seen(foreign, calls):
+        plan, executor = wrapped._last[:2]
+        executors.append(executor)
+        assert plan.peak_bytes + foreign <= budget
+    losses = train_beside(device, plain, wrapped, x, y, (0, grown, grown, 0), seen)
     assert executors[0] is not executors[1]
     assert executors[1] is executors[2] is executors[3]
     assert closed == [executors[0]]                             # the first plan was given back

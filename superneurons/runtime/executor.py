@@ -283,9 +283,10 @@ class Executor:
         return 2 * self.num_layers - 1 - self.plan.timeline.position[layer_index]
 
     # -- forward -------------------------------------------------------------------------------
-    def run(self, args: list):
+    def run(self, args: list, foreign: int | None = None):
         """One forward from the graph's flat inputs (placeholders in order); the output as the
-        model returns it."""
+        model returns it. ``foreign``: the device bytes the model does not own, where the
+        caller has just read them (module Rule 3), else read here."""
         self.step_id += 1
         self._reset_stats()
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
@@ -300,8 +301,9 @@ class Executor:
             self.reads_allocator = allocator_counts(tensors)
         if self.device.type == "cuda" and self.reads_allocator:
             # resident copies are none here: begin_step above dropped any left (state Rule 7)
-            self.foreign_bytes = foreign_bytes(self.graph, tensors, self.device, self.parameters,
-                                               state_on_device=self.tier is None)
+            self.foreign_bytes = foreign if foreign is not None else foreign_bytes(
+                self.graph, tensors, self.device, self.parameters,
+                state_on_device=self.tier is None)
             self.calibrating = self.calibration.begin_step()
             if self.calibrating:
                 log.info("step %d of this plan: calibrating (reading device memory at every "

@@ -142,7 +142,8 @@ class SuperNeuronsModule(nn.Module):
         return self._planned(args, without_full_mask(self.model, kwargs))[1]  # as forward calls
 
     def _planned(self, args, kwargs):
-        """(the call's key, plan_for's answer)."""
+        """(the call's key, plan_for's answer, the bytes on the device the model does not own
+        where this call read them, else None: the step's executor takes that reading)."""
         tensors, key = _call_key(args, kwargs)
         device = self._device(tensors)
         autocast = autocast_state(device.type)
@@ -163,25 +164,25 @@ class SuperNeuronsModule(nn.Module):
                 raise
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
-            return key, planned
+            return key, planned, None
         self._executors.move_to_end(key)
         plan, executor = planned
         if self.budget_bytes is None or not reads_device_memory(device) or \
                 (executor is None and self.policy not in _DECIDES_UNTOUCHED):
-            return key, planned
+            return key, planned, None
         if executor is not None:
             # a step of this wrapper still in flight (gradient accumulation: two forwards,
             # then one backward) holds bytes the reading would take for another's; the
             # executor's own reading at the step's start counts them against its pool
             if self._in_flight():
-                return key, planned
+                return key, planned, None
             self._keep_state_of(None)      # other plans' resident copies are not another's
         foreign = foreign_bytes(plan.graph, tensors, device, parameters,
                                 state_on_device=self.state == "device")
         plans = self._executors
         if executor is None:                                                     # Rule 2
             if untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
-                return key, planned
+                return key, planned, foreign
             # kept beside the untouched plan: memory others hold may be passing (a previous
             # micro-batch's activations, another model's step)
             plans = self._fallbacks
@@ -200,7 +201,7 @@ class SuperNeuronsModule(nn.Module):
                 replanned = self._plan(key, plan.graph, device, foreign)
             self._drop(executor)
             plans[key] = replanned
-        return key, plans[key]
+        return key, plans[key], foreign
 
     def _in_flight(self) -> bool:
         """Whether any step of this wrapper has handles alive (module Rule 5)."""
@@ -349,7 +350,7 @@ class SuperNeuronsModule(nn.Module):
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
-        key, (plan, executor) = self._planned(args, kwargs)
+        key, (plan, executor), foreign = self._planned(args, kwargs)
         made = self._unreported.pop(key, {})          # the plan's making, on its first step
         device = executor.device if executor is not None else \
             self._device([t for t in pytree.tree_leaves((args, kwargs))
@@ -370,7 +371,7 @@ class SuperNeuronsModule(nn.Module):
             made["host_check_seconds"] = time.perf_counter() - began
             log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:
-            return executor.run(flat)
+            return executor.run(flat, foreign)
         except torch.OutOfMemoryError as error:
             executor.release()
             raise RuntimeError(
