@@ -207,3 +207,4 @@ def test_a_training_call_that_returns_a_cache_says_to_turn_it_off():
     with pytest.raises(ValueError, match="use_cache=False"):
         wrapped(input_ids=ids, labels=ids)
     wrapped(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+

@@ -1,0 +1,50 @@
+"""Models no other test trains, under the policies that move or replay tensors and with the
+state on the host: HF decoders whose layers fan and join otherwise than Llama's, and timm
+networks that mix convolutions and attention or ghost modules."""
+
+import pytest
+import torch
+
+import matrix
+from today_models import timm_builder
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("timm")
+
+
+def _name(build) -> str:
+    return getattr(build, "__name__", "model").replace("build_", "")
+
+
+def _gpt_neox():
+    """Parallel residual (attention and MLP both read each layer's input: a fan and a join in
+    every layer), dropout, a padded row."""
+    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, intermediate_size=64,
+                                        max_position_embeddings=64, hidden_dropout=0.1,
+                                        attention_dropout=0.1, use_parallel_residual=True)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    return transformers.GPTNeoXForCausalLM(config), (), \
+        dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False), lambda out: out.loss
+
+
+def _phi3():
+    """Grouped-query attention with fused qkv and gate-up projections, residual dropout."""
+    config = transformers.Phi3Config(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64,
+                                     resid_pdrop=0.1, pad_token_id=0)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    return transformers.Phi3ForCausalLM(config), (), \
+        dict(input_ids=ids, labels=ids, use_cache=False), lambda out: out.loss
+
+
+@pytest.mark.parametrize("build", [_gpt_neox, _phi3, timm_builder("edgenext_xx_small"),
+                                   timm_builder("ghostnetv2_100", size=64)], ids=_name)
+@pytest.mark.parametrize("policy,state", [("recompute", "device"), ("offload", "device"),
+                                          ("superneurons", "device"), ("superneurons", "host")])
+def test_models_no_other_test_trains_match_plain(build, policy, state):
+    """3 AdamW steps at a budget that forces the policy to act, bit for bit (matrix.py)."""
+    assert matrix.compare(build, policy, state=state).status == "exact"
