@@ -8,8 +8,8 @@ The paper's Algorithm 1 walks the graph depth first instead. On the paper's netw
 network of the zoo) both orders are the same. Where they differ (an exported attention layer
 whose code interleaves its q and k branches), the depth-first order is not exact: autograd
 numbers each node as forward creates it and runs backward by those numbers, so a forward
-reordered across branches sums gradients in another order (Qwen3's q_norm weight gradient was
-2.3e-10 from plain PyTorch's, tests/test_hf_paths.py).
+reordered across branches sums gradients in another order (Qwen3's q_norm weight gradient
+differed from plain PyTorch's in its last bits; tests/test_hf_paths.py fails on that order).
 """
 
 from ..capture import LayerGraph
