@@ -6,19 +6,31 @@ system inherits another's allocator state.
 
     python benchmarks/ratio.py OUT_DIR [--models resnet50 efficientnet_b0 densenet121 gpt2]
         [--dtypes fp32 bf16] [--ratios 0.75 0.5 0.35 0.25] [--systems ...] [--steps 6]
+        [--workers 1]
 
 Writes OUT_DIR/ratio_<model>_<dtype>.json, rewritten after each measurement (a run stopped by a
 time limit keeps what it measured), and OUT_DIR/ratio_<model>.png with --plot. A capped system
 runs under torch.cuda.set_per_process_memory_fraction(cap); superneurons gets the cap less
 CAP_HEADROOM as its budget (cuDNN's workspaces take what the cap leaves: BENCHMARKS.md).
+
+Plain PyTorch runs first for every model and dtype, one process at a time: its peak sets the
+caps. Then every capped row, and plain once more as a control, run ``--workers`` processes at a
+time. Each process's first step (where torch.compile compiles and superneurons captures, plans
+and pins) runs beside the others; its second step and its timed steps hold a lock on the GPU
+(GPU_LOCK), so that no two processes' timed steps share it. The control row says what running
+beside the others' first steps costs a timed step.
 """
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 MODELS = ("resnet50", "efficientnet_b0", "densenet121", "gpt2")
 SYSTEMS = ("checkpoint", "save_on_cpu", "compile", "superneurons")
@@ -30,6 +42,8 @@ CAP_HEADROOM = 0.5 / 12
 # still a working set, not allocator noise; the decoder is issue 16's GPT-2 small anchor
 BATCH = {"resnet50": 192, "efficientnet_b0": 192, "densenet121": 128, "gpt2": 16}
 IMAGE, SEQUENCE, VOCAB = 224, 1024, 50257
+GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for its timed steps
+CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
 
 
 def build(name: str, system: str, device):
@@ -95,10 +109,11 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
     offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if system == "save_on_cpu" \
         else None
-    seconds = []
+    seconds, first = [], None
     try:
         for step in range(steps + 2):                      # two warm-up steps
-            torch.cuda.synchronize()
+            if step == 1:
+                hold_the_gpu()
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with autocast:
@@ -111,6 +126,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
             optimizer.step()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
+            if step == 0 and system == "superneurons" and run.stats is not None:
+                first = run.stats.as_dict()
     except torch.OutOfMemoryError as error:
         return {"ok": False, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     except (RuntimeError, ValueError) as error:
@@ -122,13 +139,33 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     if system == "superneurons" and run.stats is not None:
+        from superneurons.runtime.machine import machine_of
+        machine = machine_of(device)
         row.update(moved_bytes=run.stats.offloaded_bytes + run.stats.prefetched_bytes,
                    recomputed_layers=run.stats.recomputed_layers,
-                   predicted_peak_bytes=run.stats.predicted_peak_bytes)
+                   predicted_peak_bytes=run.stats.predicted_peak_bytes,
+                   policy=run.stats.policy, first_step=first,
+                   machine={"memory_bytes_per_s": machine.memory_bytes_per_s,
+                            "conv_flops_per_s": machine.conv_flops_per_s,
+                            "matmul_flops_per_s": machine.matmul_flops_per_s,
+                            "link_bytes_per_s": machine.link_bytes_per_s,
+                            "source": machine.source})
     return row
 
 
-def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=540) -> dict:
+def hold_the_gpu() -> None:
+    """Block until this process holds the GPU lock (kept until it exits), where one is set."""
+    path = os.environ.get(GPU_LOCK)
+    if path:
+        global _lock_file
+        _lock_file = open(path, "a")
+        fcntl.flock(_lock_file, fcntl.LOCK_EX)
+
+
+_lock_file = None
+
+
+def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECONDS) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", name, dtype, system,
                str(ratio or 0), str(plain_peak or 0), str(steps)]
     try:
@@ -143,30 +180,53 @@ def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=540) -> dict
     return json.loads(lines[-1])
 
 
-def run_model(out: str, name: str, dtype: str, systems, ratios, steps, child=in_child) -> dict:
-    """Plain first (its peak sets every cap), then each ratio and system; the record is
-    rewritten after each row."""
+def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: int = 1) -> dict:
+    """Every case's (model, dtype) plain row first, one at a time (its peak sets the caps);
+    then each case's capped rows and a plain control, ``workers`` at a time, ratio by ratio
+    (so that one model's compilations rarely run together). Each case's record is rewritten
+    after each of its rows. Returns the records by case."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write
-    path = os.path.join(out, f"ratio_{name}_{dtype}.json")
-    record = {"command": " ".join(sys.argv), "model": name, "dtype": dtype,
-              "batch": BATCH[name], "complete": False, "rows": []}
-    plain = {"system": "plain", "ratio": None, **child(name, dtype, "plain", None, None, steps)}
-    record["rows"].append(plain)
-    write(path, record, quiet=True)
-    if plain["ok"]:
-        for ratio in ratios:
-            for system in systems:
-                row = {"system": system, "ratio": ratio,
-                       **child(name, dtype, system, ratio, plain["peak_allocated_bytes"], steps)}
-                if row["ok"]:
-                    row["of_plain"] = row["per_s"] / plain["per_s"]
-                record["rows"].append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "step_s"}), flush=True)
-                write(path, record, quiet=True)
-    record["complete"] = True
-    write(path, record)
-    return record
+    os.environ.setdefault(GPU_LOCK, os.path.join(tempfile.gettempdir(), "ratio_gpu.lock"))
+    os.makedirs(out, exist_ok=True)
+    records, paths, lock = {}, {}, threading.Lock()
+
+    def add(case, row) -> None:
+        with lock:
+            record = records[case]
+            if row["ok"]:
+                row["of_plain"] = row["per_s"] / record["rows"][0]["per_s"]
+            record["rows"].append(row)
+            print(json.dumps({"model": case[0], "dtype": case[1],
+                              **{k: v for k, v in row.items() if k not in ("step_s", "first_step",
+                                                                          "machine")}}),
+                  flush=True)
+            write(paths[case], record, quiet=True)
+
+    for name, dtype in cases:
+        case = (name, dtype)
+        paths[case] = os.path.join(out, f"ratio_{name}_{dtype}.json")
+        records[case] = {"command": " ".join(sys.argv), "model": name, "dtype": dtype,
+                         "batch": BATCH[name], "workers": workers, "complete": False, "rows": []}
+        plain = {"system": "plain", "ratio": None, "control": False,
+                 **child(name, dtype, "plain", None, None, steps)}
+        records[case]["rows"].append(plain)
+        write(paths[case], records[case], quiet=True)
+    jobs = [(case, system, ratio) for ratio in ratios for case in records
+            if records[case]["rows"][0]["ok"] for system in systems]
+    jobs += [(case, "plain", None) for case in records if records[case]["rows"][0]["ok"]]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        running = {pool.submit(child, *case, system, ratio,
+                               records[case]["rows"][0]["peak_allocated_bytes"] if ratio else None,
+                               steps): (case, system, ratio) for case, system, ratio in jobs}
+        for future in as_completed(running):
+            case, system, ratio = running[future]
+            add(case, {"system": system, "ratio": ratio, "control": system == "plain",
+                       **future.result()})
+    for case, record in records.items():
+        record["complete"] = True
+        write(paths[case], record)
+    return records
 
 
 def plot(out: str, name: str) -> None:
@@ -183,7 +243,7 @@ def plot(out: str, name: str) -> None:
             rows = json.load(file)["rows"]
         for system in SYSTEMS:
             points = sorted((r["ratio"], r["of_plain"]) for r in rows
-                            if r["system"] == system and r.get("ok"))
+                            if r["system"] == system and r.get("ok") and r["ratio"])
             if points:
                 axes.plot(*zip(*points), marker="o", label=f"{system} {dtype}")
     axes.set_xlabel("cap / plain PyTorch's peak")
@@ -207,12 +267,18 @@ def main():
     parser.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes at a time after the plain rows (timed steps never share "
+                             "the GPU)")
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
-    for name in args.models:
-        for dtype in args.dtypes:
-            run_model(args.out, name, dtype, args.systems, args.ratios, args.steps)
-        if args.plot:
+    # what a compilation may use beside the other processes
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS",
+                          str(max(1, (os.cpu_count() or 2) // max(1, args.workers))))
+    run_all(args.out, [(m, d) for m in args.models for d in args.dtypes], args.systems,
+            args.ratios, args.steps, workers=args.workers)
+    if args.plot:
+        for name in args.models:
             plot(args.out, name)
 
 

@@ -31,25 +31,51 @@ def test_checkpoint_per_block_gives_plain_gradients(name):
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
 
 
-def test_plain_runs_first_and_sets_every_cap(tmp_path):
-    calls = []
+@pytest.mark.parametrize("workers", [1, 3])
+def test_plain_runs_first_and_sets_every_cap(tmp_path, workers):
+    calls, lock = [], __import__("threading").Lock()
 
     def child(name, dtype, system, fraction, plain_peak, steps):
-        calls.append((system, fraction, plain_peak))
+        with lock:
+            calls.append((name, system, fraction, plain_peak))
+        peak = 8000 if name == "resnet50" else 6000
         if system == "plain":
-            return {"ok": True, "per_s": 100.0, "peak_allocated_bytes": 8000}
+            return {"ok": True, "per_s": 100.0, "peak_allocated_bytes": peak}
         if system == "checkpoint" and fraction == 0.25:
             return {"ok": False, "error": "out of memory"}
         return {"ok": True, "per_s": 100.0 * fraction, "peak_allocated_bytes": 1}
-    record = ratio.run_model(str(tmp_path), "resnet50", "fp32", ["checkpoint", "superneurons"],
-                             [0.5, 0.25], steps=1, child=child)
-    assert calls[0] == ("plain", None, None)
-    assert all(peak == 8000 for system, _, peak in calls[1:])
-    assert len(record["rows"]) == 5 and record["complete"]
-    failed = [r for r in record["rows"] if not r["ok"]]
-    assert [(r["system"], r["ratio"]) for r in failed] == [("checkpoint", 0.25)]
-    assert {r["of_plain"] for r in record["rows"][1:] if r["ok"]} == {0.5, 0.25}
-    with open(tmp_path / "ratio_resnet50_fp32.json") as file:
-        assert json.load(file)["rows"] == record["rows"]
+    cases = [("resnet50", "fp32"), ("gpt2", "bf16")]
+    records = ratio.run_all(str(tmp_path), cases, ["checkpoint", "superneurons"], [0.5, 0.25],
+                            steps=1, child=child, workers=workers)
+    assert [c[:3] for c in calls[:2]] == [("resnet50", "plain", None), ("gpt2", "plain", None)]
+    for name, system, fraction, peak in calls[2:]:
+        assert peak == ((8000 if name == "resnet50" else 6000) if fraction else None)
+    for case, record in records.items():
+        rows = record["rows"]
+        assert len(rows) == 6 and record["complete"] and rows[0]["system"] == "plain"
+        failed = [(r["system"], r["ratio"]) for r in rows if not r["ok"]]
+        assert failed == [("checkpoint", 0.25)]
+        capped = {r["of_plain"] for r in rows[1:] if r["ok"] and not r["control"]}
+        assert capped == {0.5, 0.25}
+        assert [r["of_plain"] for r in rows if r["control"]] == [1.0]    # plain, once more
+        with open(tmp_path / f"ratio_{case[0]}_{case[1]}.json") as file:
+            assert json.load(file)["rows"] == rows
     ratio.plot(str(tmp_path), "resnet50")
     assert (tmp_path / "ratio_resnet50.png").exists()
+
+
+def test_timed_steps_wait_for_the_gpu_lock(tmp_path, monkeypatch):
+    """A process holding the lock keeps another's timed steps off the GPU until it exits."""
+    import fcntl
+    import subprocess
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(ratio.GPU_LOCK, str(path))
+    holder = open(path, "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    code = ("import sys; sys.path.insert(0, %r); import ratio; ratio.hold_the_gpu(); "
+            "print('held')" % os.path.dirname(ratio.__file__))
+    waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        waiting.wait(timeout=1.0)
+    holder.close()                                          # released
+    assert waiting.communicate(timeout=30)[0].strip() == "held"

@@ -1,36 +1,65 @@
-"""The paper's memory model: l_f and l_b per layer, and l_peak = max(l_i).
+"""The paper's memory model, l_f and l_b per layer and l_peak = max(l_i), and what replays and
+moves cost in time on the machine that runs them.
 
 l_f(i): the storages layer i reads and writes in its forward, plus what it saves internally,
         plus the scratch its forward frees before it returns (capture/scratch.py).
 l_b(i): what its backward reads (saved activations and internal tensors), the gradient of its
         outputs it receives and the gradient of its inputs it writes, plus its scratch.
 Model state (parameters, their gradients, buffers) is resident and counted apart.
-work(i): what replaying layer i's forward costs, in bytes of device-memory traffic: the bytes its
-        forward touches, plus its arithmetic (capture's flops: convolutions, matrix products,
-        attention) at FLOPS_PER_BYTE (an H100/H200 in TF32 does
-        ~100 flops in the time its memory moves one byte). A convolution costs its arithmetic, a
-        ReLU its bytes: this is what choosing between replaying cheap layers and whole blocks
-        weighs.
-LINK_COST: a byte sent to the host and back costs as much time as this many bytes of
-        device-memory traffic (an H200: ~3 TB/s on the device, 55 GB/s each way to the host).
+work(i): seconds to replay layer i's forward on a Machine: the longer of moving the bytes its
+        forward touches through device memory and doing its arithmetic (capture's flops:
+        convolutions, matrix products, attention) at the machine's rate for its kind and dtype.
+        A convolution costs its arithmetic, a ReLU its bytes: this is what choosing between
+        replaying cheap layers and whole blocks weighs.
+Machine.move_seconds: a byte sent to the host and back, over the measured link.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..capture import LayerGraph
+import torch
 
-__all__ = ["LayerCosts", "layer_costs", "FLOPS_PER_BYTE", "LINK_COST"]
+from ..capture import Kind, LayerGraph
 
-FLOPS_PER_BYTE = 100
-LINK_COST = 100
+__all__ = ["LayerCosts", "layer_costs", "Machine", "H200"]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates of one device: memory traffic, arithmetic per kind and dtype, host link each way.
+    runtime/machine.py measures them on the device a plan runs on."""
+
+    memory_bytes_per_s: float
+    conv_flops_per_s: dict = field(hash=False)     # dtype name -> rate of convolutions
+    matmul_flops_per_s: dict = field(hash=False)   # dtype name -> rate of FC, matmul, attention
+    link_bytes_per_s: float = 1.0                  # pinned host memory, one way
+    source: str = ""
+
+    def replay_seconds(self, nbytes: int, flops: int, kind: Kind, dtype: torch.dtype) -> float:
+        rates = self.conv_flops_per_s if kind is Kind.CONV else self.matmul_flops_per_s
+        rate = rates.get(str(dtype).removeprefix("torch."), rates["float32"])
+        return max(nbytes / self.memory_bytes_per_s, flops / rate)
+
+    def move_seconds(self, nbytes: int) -> float:
+        """Out to the host and back."""
+        return 2 * nbytes / self.link_bytes_per_s
+
+
+# The rates the planner assumes where it cannot measure (a plan made on the CPU or the meta
+# device, for a GPU): an H200 with PyTorch's default TF32 settings, as runtime/machine.py
+# measured it (BENCHMARKS.md, "The machine the planner weighs").
+H200 = Machine(memory_bytes_per_s=4.0e12,
+               conv_flops_per_s={"float32": 2.0e14, "bfloat16": 4.0e14, "float16": 4.0e14},
+               matmul_flops_per_s={"float32": 5.0e13, "bfloat16": 6.5e14, "float16": 6.5e14},
+               link_bytes_per_s=5.5e10, source="H200 defaults")
 
 
 @dataclass(frozen=True)
 class LayerCosts:
     forward: tuple     # l_f per layer index, bytes
     backward: tuple    # l_b per layer index, bytes
-    work: tuple        # replay cost per layer index, bytes of memory traffic (see above)
+    work: tuple        # replay cost per layer index, seconds on ``machine``
+    machine: Machine = H200
 
     @cached_property     # the planner asks for it once per segment, on thousands of segments
     def peak(self) -> int:
@@ -42,7 +71,16 @@ def _grad_storages(graph: LayerGraph, values) -> set:
     return {graph.values[v].storage for v in values if graph.values[v].requires_grad}
 
 
-def layer_costs(graph: LayerGraph) -> LayerCosts:
+def _compute_dtype(graph: LayerGraph, layer) -> torch.dtype:
+    """The dtype a layer computes in: its first floating output's (under autocast, a
+    convolution's bf16 output)."""
+    for v in layer.outputs:
+        if graph.values[v].dtype.is_floating_point:
+            return graph.values[v].dtype
+    return torch.float32
+
+
+def layer_costs(graph: LayerGraph, machine: Machine = H200) -> LayerCosts:
     size = [s.nbytes for s in graph.storages]
     forward, backward, work = [], [], []
     for layer in graph.layers:
@@ -53,5 +91,6 @@ def layer_costs(graph: LayerGraph) -> LayerCosts:
         grads = _grad_storages(graph, layer.outputs) | _grad_storages(graph, layer.inputs)
         backward.append(sum(size[s] for s in saved) + layer.internal_saved_bytes
                         + sum(size[s] for s in grads) + layer.backward_scratch)
-        work.append(forward[-1] + layer.flops // FLOPS_PER_BYTE)
-    return LayerCosts(tuple(forward), tuple(backward), tuple(work))
+        work.append(machine.replay_seconds(forward[-1], layer.flops, layer.kind,
+                                           _compute_dtype(graph, layer)))
+    return LayerCosts(tuple(forward), tuple(backward), tuple(work), machine)

@@ -7,7 +7,7 @@ import torch
 from ..capture import LayerGraph, capture
 from ..capture.hf import packed_positions, without_full_mask
 from ..units import format_bytes, parse_bytes
-from .costs import LayerCosts, layer_costs
+from .costs import H200, LayerCosts, Machine, layer_costs
 from .policy import Policy, Strategy, find_segments, parse_policy, parse_strategy, \
     route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
@@ -217,15 +217,16 @@ def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts
 
 
 def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
-               strategy="cost-aware", state="device") -> Plan:
+               strategy="cost-aware", state="device", machine: Machine = H200) -> Plan:
     """Plan a captured graph; ``state``: where parameters, gradients and buffers live,
-    "device" or "host" (streamed to the device for each layer). With a budget, a plan that
-    cannot fit raises ValueError."""
+    "device" or "host" (streamed to the device for each layer); ``machine``: the rates that
+    weigh replays against moves (costs.Machine). With a budget, a plan that cannot fit raises
+    ValueError."""
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
     state = parse_state(state)
     order = build_route(graph)
     timeline = build_timeline(graph, order)
-    costs = layer_costs(graph)
+    costs = layer_costs(graph, machine)
 
     def build(p, segments=None):
         return _build(graph, order, timeline, costs, p, strategy, budget, segments, state)
@@ -315,7 +316,7 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
          strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None,
-         state="device") -> Plan:
+         state="device", machine: Machine = H200) -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
     ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of
@@ -323,7 +324,8 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     the dtype of the torch.autocast the step will run under on ``device_type`` (torch.bfloat16 or
     torch.float16), or None for none. ``state``: "device" (parameters, gradients and buffers
     resident on the device) or "host" (kept in host memory and streamed, as sn.wrap(...,
-    state="host") runs the model).
+    state="host") runs the model). ``machine``: the device's rates (costs.Machine; sn.wrap
+    measures them on the device it runs on).
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
     parse_state(state)
@@ -334,4 +336,4 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     kwargs = without_full_mask(model, dict(kwargs or {}))        # as sn.wrap calls the model
     graph = capture(model, example_input, autocast_state, kwargs,
                     packed_positions=packed_positions(model, (), kwargs))
-    return plan_graph(graph, policy, budget, strategy, state)
+    return plan_graph(graph, policy, budget, strategy, state, machine)

@@ -7,18 +7,17 @@ replays whose plan fits the budget *with nothing moved*. Two families of plans a
 
 - the policy's own segments, and the cheap segments that keep the most on the device (policy
   Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
-  work, costs.work) while the plan that keeps every checkpoint on the device still fits;
+  time, costs.work) while the plan that keeps every checkpoint on the device still fits;
 - whole blocks (policy Rule 8): every block replayed, then the least useful blocks back to
   replaying only their cheap layers, then the least useful segments dropped, as above.
 
 The fitting plan with the least replay work wins. Where none fits without moving data, the Tensor
 Cache will move what the budget forces out; then the policy's own plan and the plan replaying
-every block are weighed by replay work plus the bytes each would move (every rise of its live
-bytes above the budget, out and back at costs.LINK_COST): replaying whole blocks keeps far more
+every block are weighed by replay time plus the time to move what each would move (every rise
+of its live bytes above the budget, out and back over the machine's link): replaying whole blocks keeps far more
 on the device, so it moves far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43).
 """
 
-from .costs import LINK_COST
 from .policy import CHECKPOINT_KINDS, Policy, Strategy
 
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
@@ -34,8 +33,8 @@ PLANNED_SHARE = 0.97
 _BLOCKS_FLOOR_SHARE = 0.7
 
 
-def replay_work(plan) -> int:
-    """Bytes-equivalent work of the layers a step replays (costs.work), per the plan's
+def replay_work(plan) -> float:
+    """Seconds of the layers a step replays (costs.work), per the plan's
     strategies: speed-centric replays up to the last layer needed once, memory-centric the
     prefix each needed layer needs."""
     work, total = plan.costs.work, 0
@@ -60,7 +59,7 @@ def _usefulness(plan, segment) -> float:
                 {graph.values[v].storage for l in segment.layers for v in graph.layers[l].outputs
                  if graph.storages[graph.values[v].storage].creator in inside})
     work = sum(plan.costs.work[l] for l in segment.layers)
-    return saved / max(1, work)
+    return saved / max(work, 1e-12)
 
 
 def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list,
@@ -82,8 +81,9 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         held = sum(s.nbytes for s in blocks.graph.storages if s.creator is None)
         if blocks.peak_bytes - held <= _BLOCKS_FLOOR_SHARE * budget:
             options.append(blocks)
+    machine = plan.costs.machine
     return min(options, key=lambda option: replay_work(option)
-               + LINK_COST * option.bytes_to_move(budget))
+               + machine.move_seconds(option.bytes_to_move(budget)))
 
 
 def bytes_to_move(keep_plan, budget: int) -> int:

@@ -61,6 +61,7 @@ from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor, foreign_bytes
 from .host_memory import check_first_step, check_state_fits
+from .machine import machine_of
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 from .structure import Structure
@@ -327,16 +328,19 @@ class SuperNeuronsModule(nn.Module):
         if budget is not None and foreign is not None:
             budget = budget_left(budget, foreign, device)
         host = self.state == "host"
+        machine = machine_of(device)
         if budget is not None and self.policy in _MANAGED:
             try:
-                liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state)
+                liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state,
+                                      machine)
                 if not host:
                     return liveness, None                                         # Rule 2
                 return liveness, Executor(liveness, device, self.budget_bytes,
                                           model=self.model)                         # Rule 6
             except ValueError:
                 pass
-        plan = plan_graph(graph, self.policy, budget, self.strategy, self.state)  # Rule 3
+        plan = plan_graph(graph, self.policy, budget, self.strategy, self.state,  # Rule 3
+                          machine)
         if plan.policy not in _MANAGED and not host:
             return plan, None
         if self.budget_bytes is None:

@@ -23,7 +23,8 @@ class StepStats:
     state_moved_bytes: int = 0
     # host seconds of making the plan, on the first step that runs it (0 on later steps; a
     # plan made by plan_for() before any step is reported by the step that first runs it):
-    # capturing the model, planning (the executor's set-up included), and checking that the
+    # capturing the model, planning (the executor's set-up included, and once per device and
+    # TF32 setting, measuring its rates: runtime/machine.py), and checking that the
     # step's host memory fits (host_memory Rule 1)
     capture_seconds: float = 0.0
     planning_seconds: float = 0.0

@@ -1,0 +1,74 @@
+"""The rates the planner weighs replays against moves with (planner/costs.Machine), measured
+once per device and math settings on the device a plan runs on.
+
+Each rate is the fastest of a few timed repetitions after one untimed run (the first call of
+a kernel pays for its handle and its choice of algorithm). The operands are filled with a
+constant, not drawn: drawing would advance the device's random generator and change the
+model's dropout masks. Autocast is off while measuring, so each dtype runs as asked, and the
+current TF32 settings hold: they are part of the cache key, since they set fp32's rates.
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..planner.costs import H200, Machine
+
+__all__ = ["machine_of"]
+
+_MEASURED: dict = {}
+_COPY_BYTES = 32 << 20       # long enough that launch latency is a few percent of a copy
+_MATMUL_SIZE = 2048
+_CONV = (32, 256, 28, 28)    # a ResNet stage-2 3x3 convolution: batch, channels, height, width
+_REPEATS = 5
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def machine_of(device: torch.device) -> Machine:
+    """The device's measured rates; H200's defaults off CUDA (a plan made for a CPU run
+    weighs nothing it can move)."""
+    if device.type != "cuda":
+        return H200
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if key not in _MEASURED:
+        with torch.cuda.device(index), torch.no_grad(), \
+                torch.autocast("cuda", enabled=False):
+            _MEASURED[key] = _measure(torch.device("cuda", index))
+    return _MEASURED[key]
+
+
+def _seconds(run) -> float:
+    """The fastest of _REPEATS timed runs of ``run`` on the current stream."""
+    run()
+    best = float("inf")
+    for _ in range(_REPEATS):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def _measure(device: torch.device) -> Machine:
+    source = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    memory = 2 * _COPY_BYTES / _seconds(lambda: target.copy_(source))   # read and write
+    host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    up = _COPY_BYTES / _seconds(lambda: target.copy_(host, non_blocking=True))
+    down = _COPY_BYTES / _seconds(lambda: host.copy_(target, non_blocking=True))
+    del source, target
+    conv, matmul = {}, {}
+    for dtype in _DTYPES:
+        a = torch.full((_MATMUL_SIZE, _MATMUL_SIZE), 0.5, dtype=dtype, device=device)
+        matmul[str(dtype).removeprefix("torch.")] = \
+            2 * _MATMUL_SIZE ** 3 / _seconds(lambda: a @ a)
+        n, c, h, w = _CONV
+        x = torch.full(_CONV, 0.5, dtype=dtype, device=device)
+        weight = torch.full((c, c, 3, 3), 0.01, dtype=dtype, device=device)
+        conv[str(dtype).removeprefix("torch.")] = \
+            2 * n * c * c * 9 * h * w / _seconds(lambda: F.conv2d(x, weight, padding=1))
+    return Machine(memory, conv, matmul, min(up, down),
+                   source=f"measured on {torch.cuda.get_device_name(device)}")

@@ -1,0 +1,64 @@
+"""The planner weighs replays and moves with the rates of the machine it plans for
+(planner/costs.Machine), measured on the device a wrapped model runs on (runtime/machine.py)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from superneurons.capture import Kind, capture
+from superneurons.models import input_shape
+from superneurons.planner import H200, layer_costs
+from superneurons.runtime.machine import machine_of
+from conftest import meta_model
+
+
+def _resnet_graph(autocast=None):
+    return capture(meta_model("resnet50"), input_shape("resnet50", 8), autocast)
+
+
+def test_a_faster_convolution_makes_its_replay_cheaper_and_a_relu_costs_its_bytes():
+    graph = _resnet_graph()
+    fast = replace(H200, conv_flops_per_s={k: 10 * v for k, v in H200.conv_flops_per_s.items()})
+    slow, quick = layer_costs(graph, H200).work, layer_costs(graph, fast).work
+    convs = [l.index for l in graph.layers if l.kind is Kind.CONV and l.name.endswith("conv2")]
+    relus = [l.index for l in graph.layers if l.kind is not Kind.CONV and "relu" in l.name]
+    assert convs and relus
+    assert all(quick[i] < slow[i] for i in convs)
+    assert all(quick[i] == slow[i] for i in relus)
+
+
+def test_a_layer_is_weighed_at_the_rate_of_the_dtype_it_computes_in():
+    """Under bf16 autocast a convolution computes in bf16: the machine's bf16 rate weighs it."""
+    machine = replace(H200, conv_flops_per_s={"float32": 1e12, "bfloat16": 1e15})
+    fp32 = layer_costs(_resnet_graph(), machine).work
+    graph = _resnet_graph(("cuda", torch.bfloat16))
+    bf16 = layer_costs(graph, machine).work
+    conv = next(l.index for l in graph.layers if l.kind is Kind.CONV and l.name.endswith("conv2"))
+    assert bf16[conv] < fp32[conv] / 10
+
+
+def test_moving_a_byte_costs_its_way_out_and_back():
+    assert H200.move_seconds(H200.link_bytes_per_s) == pytest.approx(2.0)
+
+
+def test_off_cuda_the_planner_assumes_the_h200():
+    assert machine_of(torch.device("cpu")) is H200
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: measures the device's rates")
+def test_measuring_the_device_leaves_its_random_stream_and_autocast_alone():
+    """Dropout masks drawn after the measurement are those plain PyTorch draws."""
+    from superneurons.runtime import machine
+    machine._MEASURED.clear()
+    device = torch.device("cuda", 0)
+    state = torch.cuda.get_rng_state(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        measured = machine_of(device)
+        assert torch.is_autocast_enabled("cuda")
+    assert torch.equal(torch.cuda.get_rng_state(device), state)
+    assert machine_of(device) is measured                  # once per device and TF32 setting
+    assert 1e11 < measured.memory_bytes_per_s < 1e14
+    assert 1e9 < measured.link_bytes_per_s < 1e12
+    assert measured.matmul_flops_per_s["bfloat16"] > measured.matmul_flops_per_s["float32"]
+    assert "measured on" in measured.source
