@@ -15,14 +15,15 @@ CAP_HEADROOM as its budget (cuDNN's workspaces take what the cap leaves: BENCHMA
 
 Plain PyTorch runs first for every model and dtype, one process at a time: its peak sets the
 caps. Then every capped row, and plain once more as a control, run ``--workers`` processes at a
-time. Each process's first step (where torch.compile compiles and superneurons captures, plans
-and pins) runs beside the others; its second step and its timed steps hold a lock on the GPU
-(GPU_LOCK), so that no two processes' timed steps share it. The control row says what running
-beside the others' first steps costs a timed step.
+time. Each process's set-up and first step (where torch.compile compiles and superneurons
+captures, plans and pins) share the GPU with the other processes' first steps; its second step
+and its timed steps have the GPU alone (GpuLock). A plain control row after each ratio says
+whether the timed steps were undisturbed.
 """
 
 import argparse
 import fcntl
+import glob
 import json
 import os
 import subprocess
@@ -96,6 +97,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     if cap:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    gpu = GpuLock.from_environment()
+    gpu.share()                                      # set-up and first step beside others'
     torch.manual_seed(0)
     model, args, kwargs, loss_of = build(name, system, device)
     run = model
@@ -113,7 +116,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     try:
         for step in range(steps + 2):                      # two warm-up steps
             if step == 1:
-                hold_the_gpu()
+                gpu.own()                            # until this process exits
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with autocast:
@@ -153,16 +156,35 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     return row
 
 
-def hold_the_gpu() -> None:
-    """Block until this process holds the GPU lock (kept until it exits), where one is set."""
-    path = os.environ.get(GPU_LOCK)
-    if path:
-        global _lock_file
-        _lock_file = open(path, "a")
-        fcntl.flock(_lock_file, fcntl.LOCK_EX)
+class GpuLock:
+    """A readers-writer lock between processes over two files: set-up and first steps share
+    the GPU (shared lock on ``path``), timed steps own it (exclusive lock). A process waiting
+    to own it holds the turnstile (``path``.turnstile), so that no new first step starts until
+    it has had its turn: the first steps running finish and it goes, however many wait to
+    start. Without a path (GPU_LOCK unset) it does nothing."""
 
+    def __init__(self, path: str | None):
+        self.path, self.held = path, None
 
-_lock_file = None
+    @classmethod
+    def from_environment(cls) -> "GpuLock":
+        return cls(os.environ.get(GPU_LOCK))
+
+    def share(self) -> None:
+        self._take(fcntl.LOCK_SH)
+
+    def own(self) -> None:
+        self._take(fcntl.LOCK_EX)
+
+    def _take(self, mode: int) -> None:
+        if self.path is None:
+            return
+        if self.held is not None:        # a shared lock is let go before owning: no upgrade
+            self.held.close()
+        with open(self.path + ".turnstile", "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            self.held = open(self.path, "a")
+            fcntl.flock(self.held, mode)
 
 
 def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECONDS) -> dict:
@@ -183,8 +205,9 @@ def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECOND
 def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: int = 1) -> dict:
     """Every case's (model, dtype) plain row first, one at a time (its peak sets the caps);
     then each case's capped rows and a plain control, ``workers`` at a time, ratio by ratio
-    (so that one model's compilations rarely run together). Each case's record is rewritten
-    after each of its rows. Returns the records by case."""
+    (so that one model's compilations rarely run together), each ratio's rows followed by a
+    plain control of each case. Each case's record is rewritten after each of its rows.
+    Returns the records by case."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write
     os.environ.setdefault(GPU_LOCK, os.path.join(tempfile.gettempdir(), "ratio_gpu.lock"))
@@ -212,9 +235,10 @@ def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: in
                  **child(name, dtype, "plain", None, None, steps)}
         records[case]["rows"].append(plain)
         write(paths[case], records[case], quiet=True)
-    jobs = [(case, system, ratio) for ratio in ratios for case in records
-            if records[case]["rows"][0]["ok"] for system in systems]
-    jobs += [(case, "plain", None) for case in records if records[case]["rows"][0]["ok"]]
+    measured = [case for case in records if records[case]["rows"][0]["ok"]]
+    jobs = [job for ratio in ratios
+            for job in [(case, system, ratio) for case in measured for system in systems]
+            + [(case, "plain", None) for case in measured]]
     with ThreadPoolExecutor(max(1, workers)) as pool:
         running = {pool.submit(child, *case, system, ratio,
                                records[case]["rows"][0]["peak_allocated_bytes"] if ratio else None,
@@ -230,22 +254,25 @@ def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: in
 
 
 def plot(out: str, name: str) -> None:
-    """Throughput against the ratio, a line per system and dtype, from the records alone."""
+    """Throughput against the ratio, a line per system and dtype, from the records alone; a
+    system and ratio measured twice is plotted as the later record has it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(figsize=(6, 4))
     for dtype in ("fp32", "bf16"):
-        path = os.path.join(out, f"ratio_{name}_{dtype}.json")
-        if not os.path.exists(path):
-            continue
-        with open(path) as file:
-            rows = json.load(file)["rows"]
-        for system in SYSTEMS:
-            points = sorted((r["ratio"], r["of_plain"]) for r in rows
-                            if r["system"] == system and r.get("ok") and r["ratio"])
+        rows = {}          # a later run's record (ratio_<model>_<dtype>_<more>.json) adds rows
+        for path in sorted(glob.glob(os.path.join(out, f"ratio_{name}_{dtype}*.json"))):
+            with open(path) as file:
+                rows.update(((r["system"], r["ratio"]), r) for r in json.load(file)["rows"]
+                            if r["ratio"])
+        for color, system in enumerate(SYSTEMS):
+            points = sorted((ratio, r["of_plain"]) for (s, ratio), r in rows.items()
+                            if s == system and r["ok"])
             if points:
-                axes.plot(*zip(*points), marker="o", label=f"{system} {dtype}")
+                axes.plot(*zip(*points), marker="o", color=f"C{color}",
+                          linestyle="-" if dtype == "fp32" else "--", label=f"{system} {dtype}")
+    axes.axhline(1.0, color="grey", linewidth=0.5)              # plain PyTorch, uncapped
     axes.set_xlabel("cap / plain PyTorch's peak")
     axes.set_ylabel("throughput / plain PyTorch's")
     axes.set_title(name)

@@ -52,30 +52,59 @@ def test_plain_runs_first_and_sets_every_cap(tmp_path, workers):
         assert peak == ((8000 if name == "resnet50" else 6000) if fraction else None)
     for case, record in records.items():
         rows = record["rows"]
-        assert len(rows) == 6 and record["complete"] and rows[0]["system"] == "plain"
+        assert len(rows) == 7 and record["complete"] and rows[0]["system"] == "plain"
         failed = [(r["system"], r["ratio"]) for r in rows if not r["ok"]]
         assert failed == [("checkpoint", 0.25)]
         capped = {r["of_plain"] for r in rows[1:] if r["ok"] and not r["control"]}
         assert capped == {0.5, 0.25}
-        assert [r["of_plain"] for r in rows if r["control"]] == [1.0]    # plain, once more
+        assert [r["of_plain"] for r in rows if r["control"]] == [1.0, 1.0]  # after each ratio
         with open(tmp_path / f"ratio_{case[0]}_{case[1]}.json") as file:
             assert json.load(file)["rows"] == rows
     ratio.plot(str(tmp_path), "resnet50")
     assert (tmp_path / "ratio_resnet50.png").exists()
 
 
-def test_timed_steps_wait_for_the_gpu_lock(tmp_path, monkeypatch):
-    """A process holding the lock keeps another's timed steps off the GPU until it exits."""
-    import fcntl
+def _waiting(path, take: str, hold_for: float = 0.0):
+    """A process that takes the GPU lock at ``path`` (``take``: "share" or "own"), prints
+    "held", keeps it ``hold_for`` seconds and exits."""
     import subprocess
+    code = (f"import sys, time; sys.path.insert(0, {os.path.dirname(ratio.__file__)!r}); "
+            f"import ratio; lock = ratio.GpuLock({str(path)!r}); lock.{take}(); "
+            f"print('held', flush=True); time.sleep({hold_for})")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def _blocked(process, seconds: float = 1.0) -> bool:
+    import subprocess
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def test_timed_steps_have_the_gpu_alone_and_go_before_new_first_steps(tmp_path):
+    """First steps share the GPU; a process timing its steps waits for the first steps running,
+    and first steps asking after it wait for it (else a stream of first steps would keep the
+    timed steps waiting, or run beside them)."""
     path = tmp_path / "gpu.lock"
-    monkeypatch.setenv(ratio.GPU_LOCK, str(path))
-    holder = open(path, "a")
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    code = ("import sys; sys.path.insert(0, %r); import ratio; ratio.hold_the_gpu(); "
-            "print('held')" % os.path.dirname(ratio.__file__))
-    waiting = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    with pytest.raises(subprocess.TimeoutExpired):
-        waiting.wait(timeout=1.0)
-    holder.close()                                          # released
-    assert waiting.communicate(timeout=30)[0].strip() == "held"
+    first_step = ratio.GpuLock(str(path))
+    first_step.share()
+    assert not _blocked(_waiting(path, "share"))       # first steps run side by side
+    timed = _waiting(path, "own", hold_for=2.0)
+    assert _blocked(timed)                              # waits for the first step running
+    later = _waiting(path, "share")
+    assert _blocked(later)                              # and goes before a later first step
+    first_step.held.close()                             # the first step is done
+    assert timed.stdout.readline().strip() == "held"
+    assert _blocked(later, 0.5)                         # the GPU is the timed steps' alone
+    assert timed.wait(timeout=30) == 0
+    assert later.communicate(timeout=30)[0].strip() == "held"
+
+
+def test_without_a_lock_file_nothing_waits(monkeypatch):
+    monkeypatch.delenv(ratio.GPU_LOCK, raising=False)
+    lock = ratio.GpuLock.from_environment()
+    lock.share()
+    lock.own()
+    assert lock.held is None
