@@ -46,12 +46,13 @@ class Machine:
 
 
 # The rates the planner assumes where it cannot measure (a plan made on the CPU or the meta
-# device, for a GPU): an H200 with PyTorch's default TF32 settings, as runtime/machine.py
-# measured it (BENCHMARKS.md, "The machine the planner weighs").
-H200 = Machine(memory_bytes_per_s=4.0e12,
-               conv_flops_per_s={"float32": 2.0e14, "bfloat16": 4.0e14, "float16": 4.0e14},
-               matmul_flops_per_s={"float32": 5.0e13, "bfloat16": 6.5e14, "float16": 6.5e14},
-               link_bytes_per_s=5.5e10, source="H200 defaults")
+# device, for a GPU): an H200 under PyTorch's default TF32 settings (TF32 convolutions, fp32
+# matrix products), the median of three measurements by runtime/machine.py (BENCHMARKS.md,
+# "The machine the planner weighs").
+H200 = Machine(memory_bytes_per_s=2.31e12,
+               conv_flops_per_s={"float32": 2.0e14, "bfloat16": 3.5e14, "float16": 3.5e14},
+               matmul_flops_per_s={"float32": 4.8e13, "bfloat16": 4.3e14, "float16": 4.2e14},
+               link_bytes_per_s=5.43e10, source="H200 defaults")
 
 
 @dataclass(frozen=True)
