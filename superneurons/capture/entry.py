@@ -8,6 +8,7 @@ from torch import nn
 
 from .export import export_graph, hooks_of
 from .graph import LayerGraph
+from .sliced_loss import slice_losses
 from .trace import Analyzer, meta_like, trace
 
 __all__ = ["Arguments", "capture", "example_args", "flat_inputs"]
@@ -52,13 +53,15 @@ log = logging.getLogger(__name__)     # INFO: what a long capture is doing, for 
 
 
 def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
-            tracer: str = "auto", device=None, packed_positions: bool = False) -> LayerGraph:
+            tracer: str = "auto", device=None, packed_positions: bool = False,
+            slice_loss: bool = True) -> LayerGraph:
     """The layer graph of ``model`` called like ``model(*example_args(example_input),
     **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
     under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace
     (to compare the two). ``device``: where the step runs, when the model's state lives
     elsewhere (state="host"). ``packed_positions``: an HF call's position_ids pack sequences
-    (hf.py Rule 1)."""
+    (hf.py Rule 1). ``slice_loss``: cross-entropy layers with their backward in slices
+    (sliced_loss.py)."""
     args, kwargs = example_args(example_input), dict(kwargs or {})
     if tracer not in ("auto", "export"):
         raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
@@ -70,6 +73,8 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         exported = export_graph(model, args, kwargs, device, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
+    if slice_loss:
+        slice_losses(gm)
     meta = [meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
     graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)

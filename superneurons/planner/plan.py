@@ -316,7 +316,7 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
          strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None,
-         state="device", machine: Machine = H200) -> Plan:
+         state="device", machine: Machine = H200, slice_loss: bool = True) -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
     ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of
@@ -325,7 +325,7 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     torch.float16), or None for none. ``state``: "device" (parameters, gradients and buffers
     resident on the device) or "host" (kept in host memory and streamed, as sn.wrap(...,
     state="host") runs the model). ``machine``: the device's rates (costs.Machine; sn.wrap
-    measures them on the device it runs on).
+    measures them on the device it runs on). ``slice_loss``: as sn.wrap's.
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
     parse_state(state)
@@ -335,5 +335,5 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     autocast_state = None if autocast is None else (device_type, autocast)
     kwargs = without_full_mask(model, dict(kwargs or {}))        # as sn.wrap calls the model
     graph = capture(model, example_input, autocast_state, kwargs,
-                    packed_positions=packed_positions(model, (), kwargs))
+                    packed_positions=packed_positions(model, (), kwargs), slice_loss=slice_loss)
     return plan_graph(graph, policy, budget, strategy, state, machine)

@@ -1,0 +1,179 @@
+"""capture/sliced_loss.py: a cross-entropy's backward over slices of rows gives plain PyTorch's
+bits, lowers the layer's working set from three logits' bytes to two, and runs the original
+operation wherever its Rule 2 does not hold."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import superneurons as sn
+from superneurons.capture import sliced_loss
+from superneurons.capture.sliced_loss import sliced_cross_entropy, sliced_cross_entropy_loss
+
+transformers = pytest.importorskip("transformers")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (device machine)"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "cuda":
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        yield "cuda"
+        torch.use_deterministic_algorithms(before)
+    else:
+        yield "cpu"
+
+
+def _logits(rows: int, classes: int, device, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(rows + classes)
+    logits = (4 * torch.randn(rows, classes, generator=generator)).to(device, dtype)
+    target = torch.randint(0, classes, (rows,), generator=generator).to(device)
+    target[::7] = -100                                           # ignored rows
+    return logits.requires_grad_(), target
+
+
+@pytest.mark.parametrize("rows, classes", [(300, 1001), (256, 64), (131, 50)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_sliced_backward_gives_plain_bits(rows, classes, reduction, device):
+    """Odd class counts put rows at every alignment; 300 rows leave a short last slice."""
+    logits, target = _logits(rows, classes, device)
+    plain = F.cross_entropy(logits, target, reduction=reduction)
+    (plain_grad,) = torch.autograd.grad(plain, logits)
+    ours = sliced_cross_entropy(logits, target, reduction=reduction)
+    assert type(ours.grad_fn).__name__ == "_SlicedCrossEntropyBackward"
+    (our_grad,) = torch.autograd.grad(ours, logits)
+    assert torch.equal(plain, ours) and torch.equal(plain_grad, our_grad)
+    aten = sliced_cross_entropy_loss(logits, target, None, {"mean": 1, "sum": 2}[reduction])
+    assert torch.equal(plain, aten)
+
+
+@pytest.mark.parametrize("case", ["label smoothing", "class weights", "bf16", "3-d", "few rows",
+                                  "no reduction", "float targets", "transposed"])
+def test_other_calls_run_the_original_operation(case):
+    logits, target = _logits(256, 10, "cpu")
+    kwargs = {}
+    if case == "label smoothing":
+        kwargs["label_smoothing"] = 0.1
+    elif case == "class weights":
+        kwargs["weight"] = torch.rand(10)
+    elif case == "bf16":
+        logits = logits.detach().bfloat16().requires_grad_()
+    elif case == "3-d":
+        logits = logits.detach().reshape(2, 10, 128).requires_grad_()
+        target = target.reshape(2, 128).clamp(min=0)
+    elif case == "few rows":
+        logits, target = logits[:64], target[:64]                 # one slice
+    elif case == "no reduction":
+        kwargs["reduction"] = "none"
+    elif case == "transposed":
+        logits = logits.detach().t().contiguous().t().requires_grad_()
+    else:
+        target = F.softmax(torch.randn(256, 10), dim=1)
+    ours = sliced_cross_entropy(logits, target, **kwargs)
+    assert type(ours.grad_fn).__name__ != "_SlicedCrossEntropyBackward"
+    assert torch.equal(ours, F.cross_entropy(logits, target, **kwargs))
+
+
+def test_a_backward_that_builds_a_graph_says_to_turn_slicing_off():
+    """Rule 3; and with slice_loss=False a gradient penalty through the wrapped model's loss is
+    plain PyTorch's."""
+    logits, target = _logits(256, 33, "cpu")
+    (grad,) = torch.autograd.grad(sliced_cross_entropy(logits, target), logits)     # one: fine
+    with pytest.raises(RuntimeError, match="slice_loss=False"):
+        torch.autograd.grad(sliced_cross_entropy(logits, target), logits, create_graph=True)
+    results = []
+    for wrap in (lambda m: m, lambda m: sn.wrap(m, policy="superneurons", slice_loss=False)):
+        model = _gpt2()
+        run = wrap(model)
+        embeddings = model.transformer.wte.weight
+        loss = run(**_tokens()).loss
+        (grad,) = torch.autograd.grad(loss, embeddings, create_graph=True)
+        (loss + grad.pow(2).sum()).backward()
+        results.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _gpt2(vocab=1000):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=128, n_embd=32, n_layer=2,
+                                     n_head=4)                        # dropout 0.1: random
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _tokens(vocab=1000, batch=2, seq=128):
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(3))
+    return dict(input_ids=ids, labels=ids, use_cache=False)
+
+
+def test_the_loss_layer_holds_two_logits_not_three():
+    kwargs = _tokens()
+    plan = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu")
+    logits_bytes, slice_bytes = 2 * 128 * 1000 * 4, sliced_loss.ROW_ALIGNMENT * 1000 * 4
+    loss = next(layer for layer in plan.graph.layers if "cross_entropy" in layer.name)
+    assert loss.node.target is sliced_cross_entropy_loss
+    # the logits, their gradient and a slice's two temporaries (256 rows: slices of 64)
+    assert plan.costs.backward[loss.index] < 2 * logits_bytes + 2 * slice_bytes + 4096
+    original = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu",
+                       slice_loss=False)
+    layer = next(layer for layer in original.graph.layers if "cross_entropy" in layer.name)
+    assert original.costs.backward[layer.index] > 2.9 * logits_bytes
+    assert plan.peak_bytes < original.peak_bytes
+
+
+def _nanogpt():
+    from nanogpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=128, vocab_size=1000, n_layer=2, n_head=2, n_embd=32,
+                         dropout=0.1)).train()
+
+
+def _nanogpt_call():
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(3))
+    targets = ids.clone()
+    targets[:, :5] = -1                                # nanoGPT's ignore_index
+    return dict(idx=ids, targets=targets)
+
+
+def _train(build, call, wrap, device, bf16: bool, steps: int = 3):
+    model = build().to(device)
+    call = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+    run = wrap(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(10 + step)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            out = run(**call)
+        loss = out.loss if hasattr(out, "loss") else out[1]
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().cpu())
+    return losses + [p.detach().cpu() for p in model.parameters()] + \
+        [p.grad.cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
+@pytest.mark.parametrize("model", ["hf gpt2", "nanogpt"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_decoders_train_as_plain_pytorch(model, policy, bf16, device):
+    """3 AdamW steps with dropout, the loss layer sliced, against plain PyTorch bit for bit."""
+    build, call = (_gpt2, _tokens()) if model == "hf gpt2" else (_nanogpt, _nanogpt_call())
+    plain = _train(build, call, lambda m: m, device, bf16)
+    wrapped = {}
+
+    def wrap(m):
+        wrapped["module"] = sn.wrap(m, policy=policy)
+        return wrapped["module"]
+    ours = _train(build, copy.deepcopy(call), wrap, device, bf16)
+    plan = wrapped["module"].plan_for(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                         for k, v in call.items()})[0]
+    assert any(layer.node.target in (sliced_cross_entropy_loss, sliced_cross_entropy)
+               for layer in plan.graph.layers)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours))
