@@ -81,14 +81,14 @@ def test_other_calls_run_the_original_operation(case):
 
 
 def test_a_backward_that_builds_a_graph_says_to_turn_slicing_off():
-    """Rule 3; and with slice_loss=False a gradient penalty through the wrapped model's loss is
-    plain PyTorch's."""
+    """Rule 3; and without slice_loss (the default) a gradient penalty through the wrapped
+    model's loss is plain PyTorch's."""
     logits, target = _logits(256, 33, "cpu")
     (grad,) = torch.autograd.grad(sliced_cross_entropy(logits, target), logits)     # one: fine
-    with pytest.raises(RuntimeError, match="slice_loss=False"):
+    with pytest.raises(RuntimeError, match="without slice_loss=True"):
         torch.autograd.grad(sliced_cross_entropy(logits, target), logits, create_graph=True)
     results = []
-    for wrap in (lambda m: m, lambda m: sn.wrap(m, policy="superneurons", slice_loss=False)):
+    for wrap in (lambda m: m, lambda m: sn.wrap(m, policy="superneurons")):
         model = _gpt2()
         run = wrap(model)
         embeddings = model.transformer.wte.weight
@@ -113,14 +113,14 @@ def _tokens(vocab=1000, batch=2, seq=128):
 
 def test_the_loss_layer_holds_two_logits_not_three():
     kwargs = _tokens()
-    plan = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu")
+    plan = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu",
+                   slice_loss=True)
     logits_bytes, slice_bytes = 2 * 128 * 1000 * 4, sliced_loss.ROW_ALIGNMENT * 1000 * 4
     loss = next(layer for layer in plan.graph.layers if "cross_entropy" in layer.name)
     assert loss.node.target is sliced_cross_entropy_loss
     # the logits, their gradient and a slice's two temporaries (256 rows: slices of 64)
     assert plan.costs.backward[loss.index] < 2 * logits_bytes + 2 * slice_bytes + 4096
-    original = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu",
-                       slice_loss=False)
+    original = sn.plan(_gpt2(), (), "superneurons", kwargs=kwargs, device_type="cpu")
     layer = next(layer for layer in original.graph.layers if "cross_entropy" in layer.name)
     assert original.costs.backward[layer.index] > 2.9 * logits_bytes
     assert plan.peak_bytes < original.peak_bytes
@@ -169,7 +169,7 @@ def test_decoders_train_as_plain_pytorch(model, policy, bf16, device):
     wrapped = {}
 
     def wrap(m):
-        wrapped["module"] = sn.wrap(m, policy=policy)
+        wrapped["module"] = sn.wrap(m, policy=policy, slice_loss=True)
         return wrapped["module"]
     ours = _train(build, copy.deepcopy(call), wrap, device, bf16)
     plan = wrapped["module"].plan_for(**{k: v.to(device) if isinstance(v, torch.Tensor) else v

@@ -22,7 +22,7 @@ Rule 2: only the plain case is sliced: contiguous 2-D logits in float32 (a langu
         no label smoothing, reduction "mean" or "sum", at least two slices' rows. Any other call
         runs the original operation as it is.
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
-        penalty) is a RuntimeError saying to wrap with slice_loss=False. Plain PyTorch sums the
+        penalty) is a RuntimeError saying to wrap without slice_loss. Plain PyTorch sums the
         loss's gradient and the penalty's at its one log-softmax node, then runs its backward
         once; a log-softmax made again for the graph would run it twice and sum after (a
         last-bit difference in the logits' gradient).
@@ -57,7 +57,7 @@ class _SlicedCrossEntropy(torch.autograd.Function):
                 "superneurons runs this cross-entropy's backward over slices of rows "
                 "(capture/sliced_loss.py), which gives plain PyTorch's bits for one backward "
                 "only: a backward that builds a graph through it (create_graph=True) would not. "
-                "Wrap the model with sn.wrap(..., slice_loss=False) for that.")
+                "Wrap the model without slice_loss=True for that.")
         grad = torch.empty_like(logits)
         for start, stop in _slices(logits.shape[0]):
             log_probs = torch.ops.aten._log_softmax.default(logits[start:stop], 1, False)
