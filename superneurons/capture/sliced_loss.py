@@ -25,7 +25,12 @@ Rule 3: a backward that builds a graph through the layer (create_graph=True: a g
         penalty) is a RuntimeError saying to wrap without slice_loss. Plain PyTorch sums the
         loss's gradient and the penalty's at its one log-softmax node, then runs its backward
         once; a log-softmax made again for the graph would run it twice and sum after (a
-        last-bit difference in the logits' gradient).
+        last-bit difference in the logits' gradient). Keeping the logits, not their
+        log-softmax, has two more effects plain PyTorch does not have: logits written in place
+        after the loss make autograd's backward refuse ("modified by an inplace operation"),
+        and torch.func's transforms (grad, vmap, jvp) refuse the Function.
+Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or autocast region
+        of an exported graph (its own submodule) runs as it is, and is planned so.
 """
 
 import torch
@@ -34,8 +39,11 @@ from torch import fx
 
 __all__ = ["slice_losses", "SLICES", "ROW_ALIGNMENT"]
 
-SLICES = 16                  # a slice's two temporaries: 1/8 of the logits' bytes
-ROW_ALIGNMENT = 64           # rows: 16-byte alignment for any row length in bytes of 2 or 4
+SLICES = 16                  # a slice's two temporaries: at most 1/8 of the logits' bytes
+# slices start at multiples of this many rows: an fp32 row's offset is then a multiple of 256
+# bytes, which keeps every row's 16-byte vector alignment in a slice's own buffers as in the
+# whole tensor's (CUDA's allocations start at multiples of 512 bytes)
+ROW_ALIGNMENT = 64
 _REDUCTIONS = {"mean": 1, "sum": 2}    # at::Reduction
 
 
@@ -57,7 +65,7 @@ class _SlicedCrossEntropy(torch.autograd.Function):
                 "superneurons runs this cross-entropy's backward over slices of rows "
                 "(capture/sliced_loss.py), which gives plain PyTorch's bits for one backward "
                 "only: a backward that builds a graph through it (create_graph=True) would not. "
-                "Wrap the model without slice_loss=True for that.")
+                "Wrap the model with slice_loss=False, the default, for that.")
         grad = torch.empty_like(logits)
         for start, stop in _slices(logits.shape[0]):
             log_probs = torch.ops.aten._log_softmax.default(logits[start:stop], 1, False)
@@ -83,7 +91,7 @@ def _sliceable(logits, target, weight, label_smoothing, reduction) -> bool:
             and isinstance(target, torch.Tensor)
             and target.dim() == 1 and not target.is_floating_point() and weight is None
             and label_smoothing == 0.0 and reduction in _REDUCTIONS.values()
-            and len(_slices(logits.shape[0])) >= 2)
+            and logits.shape[0] > ROW_ALIGNMENT)                   # two slices at least
 
 
 def _run(logits, target, reduction: int, ignore_index: int):
