@@ -9,6 +9,21 @@ def meta_model(name: str, **kwargs):
         return models.build(name, **kwargs)
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (device machine)"))])
+def device(request, monkeypatch):
+    """"cpu", and "cuda" with deterministic kernels where there is one: a test taking it
+    compares with plain PyTorch bit for bit on both."""
+    if request.param == "cuda":
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        yield "cuda"
+        torch.use_deterministic_algorithms(before)
+    else:
+        yield "cpu"
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -14,21 +14,6 @@ from superneurons.capture.sliced_loss import sliced_cross_entropy, sliced_cross_
 
 transformers = pytest.importorskip("transformers")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA (device machine)"))]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request, monkeypatch):
-    if request.param == "cuda":
-        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-        yield "cuda"
-        torch.use_deterministic_algorithms(before)
-    else:
-        yield "cpu"
-
 
 def _logits(rows: int, classes: int, device, dtype=torch.float32):
     generator = torch.Generator().manual_seed(rows + classes)
