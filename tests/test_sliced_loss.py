@@ -68,6 +68,24 @@ def test_other_calls_run_the_original_operation(case):
                                equal_nan=True)                    # the empty batch's NaN
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_under_autocast_are_cast_as_autocast_casts(dtype, device):
+    """Autocast runs a cross-entropy in float32: the sliced form casts half-precision logits as
+    it does, and their gradient comes back in their dtype, to the bit."""
+    results = []
+    for loss_of in (F.cross_entropy, sliced_cross_entropy):
+        logits, target = _logits(300, 1001, device, dtype)
+        with torch.autocast(device, dtype=dtype):
+            loss = loss_of(logits, target)
+        (grad,) = torch.autograd.grad(loss, logits)
+        results.append((loss, grad, type(loss.grad_fn).__name__))
+    (plain, plain_grad, _), (ours, our_grad, ours_fn) = results
+    assert ours_fn == "_SlicedCrossEntropyBackward" and our_grad.dtype == dtype
+    assert torch.equal(plain, ours) and torch.equal(plain_grad, our_grad)
+    logits, target = _logits(300, 1001, device, dtype)                  # no autocast: as it is
+    assert type(sliced_cross_entropy(logits, target).grad_fn).__name__ != ours_fn
+
+
 def test_a_backward_that_builds_a_graph_says_to_turn_slicing_off():
     """Rule 3; and without slice_loss (the default) a gradient penalty through the wrapped
     model's loss is plain PyTorch's."""
@@ -152,8 +170,8 @@ def _train(build, call, wrap, device, bf16: bool, steps: int = 3):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_decoders_train_as_plain_pytorch(model, policy, bf16, device, monkeypatch):
     """3 AdamW steps with dropout, the loss layer sliced, against plain PyTorch bit for bit.
-    HF upcasts its logits for the loss; nanoGPT's stay bf16 under autocast, so its loss runs
-    unsliced there (Rule 2), and exactly as well."""
+    HF upcasts its logits for the loss; nanoGPT's are bf16 under autocast, which casts them for
+    the loss as the sliced form does (Rule 2)."""
     sliced_runs = []
     run_sliced = sliced_loss._run
     monkeypatch.setattr(sliced_loss, "_run",
@@ -169,5 +187,5 @@ def test_decoders_train_as_plain_pytorch(model, policy, bf16, device, monkeypatc
     plan = wrapped["module"]._last[0]                        # the plan the steps ran
     assert any(layer.node.target in (sliced_cross_entropy_loss, sliced_cross_entropy)
                for layer in plan.graph.layers)
-    assert bool(sliced_runs) == (model == "hf gpt2" or not bf16)
+    assert sliced_runs
     assert all(torch.equal(a, b) for a, b in zip(plain, ours))

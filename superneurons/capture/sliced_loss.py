@@ -16,11 +16,11 @@ Rule 1: exact. The forward runs the kernels aten.cross_entropy_loss runs (_log_s
         down to its vector alignment, is the one a whole-tensor call gives it. Slices start at
         multiples of ROW_ALIGNMENT rows so that the buffers made for a slice have the row
         alignments the whole tensor's rows have.
-Rule 2: only the plain case is sliced: contiguous 2-D logits in float32 (a language model's
-        loss upcasts its logits; under autocast the loss runs in float32; nanoGPT's bf16 logits
-        under autocast are not sliced), integer targets, no class weights,
-        no label smoothing, reduction "mean" or "sum", at least two slices' rows. Any other call
-        runs the original operation as it is.
+Rule 2: only the plain case is sliced: contiguous 2-D logits in float32, or in half precision
+        where autocast runs the loss in float32 (then cast as autocast casts, its backward
+        casting back; capture's AutocastOnMeta counts as autocast, so plan and step agree),
+        integer targets, no class weights, no label smoothing, reduction "mean" or "sum", at
+        least two slices' rows. Any other call runs the original operation as it is.
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
         penalty) is a RuntimeError saying to wrap without slice_loss. Plain PyTorch sums the
         loss's gradient and the penalty's at its one log-softmax node, then runs its backward
@@ -36,6 +36,9 @@ Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or au
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.overrides import _get_current_function_mode_stack
+
+from .autocast import AutocastOnMeta
 
 __all__ = ["slice_losses", "SLICES", "ROW_ALIGNMENT"]
 
@@ -84,10 +87,22 @@ def _slices(rows: int) -> list:
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+def _autocast_runs_it_in_float32(kind: str) -> bool:
+    """Whether autocast would cast a half-precision cross-entropy's input to float32 now: real
+    autocast on ``kind``, or capture's (AutocastOnMeta, which casts it on either kind)."""
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return True
+    return any(isinstance(mode, AutocastOnMeta) and "cross_entropy_loss" in mode.float32
+               for mode in _get_current_function_mode_stack())
+
+
 def _sliceable(logits, target, weight, label_smoothing, reduction) -> bool:
     """Rule 2."""
     return (isinstance(logits, torch.Tensor) and logits.dim() == 2
-            and logits.dtype == torch.float32 and logits.is_contiguous()
+            and (logits.dtype == torch.float32
+                 or logits.dtype in (torch.bfloat16, torch.float16)
+                 and _autocast_runs_it_in_float32(logits.device.type))
+            and logits.is_contiguous()
             and isinstance(target, torch.Tensor)
             and target.dim() == 1 and not target.is_floating_point() and weight is None
             and label_smoothing == 0.0 and reduction in _REDUCTIONS.values()
@@ -95,6 +110,7 @@ def _sliceable(logits, target, weight, label_smoothing, reduction) -> bool:
 
 
 def _run(logits, target, reduction: int, ignore_index: int):
+    logits = logits.to(torch.float32)               # autocast's cast, where Rule 2 let it in
     kind = logits.device.type
     if not torch.amp.is_autocast_available(kind):     # the meta device, while capturing
         return _SlicedCrossEntropy.apply(logits, target, reduction, ignore_index)
