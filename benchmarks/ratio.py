@@ -119,6 +119,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         for step in range(steps + 2):                      # two warm-up steps
             if step == 1:
                 gpu.own()                            # until this process exits
+            torch.cuda.synchronize()
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             with autocast:
