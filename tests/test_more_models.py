@@ -1,12 +1,12 @@
 """Models no other test trains, under the policies that move or replay tensors and with the
-state on the host: HF decoders whose layers fan and join otherwise than Llama's, and timm
-networks that mix convolutions and attention or ghost modules."""
+state on the host: HF decoders whose layers fan and join otherwise than Llama's, timm networks
+that mix convolutions and attention or ghost modules, and torchvision's ShuffleNetV2."""
 
 import pytest
 import torch
 
 import matrix
-from today_models import timm_builder
+from today_models import NUM_CLASSES, classification_loss, image_batch, timm_builder
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("timm")
@@ -41,8 +41,18 @@ def _phi3():
         dict(input_ids=ids, labels=ids, use_cache=False), lambda out: out.loss
 
 
+def _shufflenet():
+    """Channel shuffles (a view, a transpose and a copy between every pair of branches) and
+    depthwise convolutions: replays the planner weighs at the machine's convolution rate."""
+    import torchvision
+    model = torchvision.models.shufflenet_v2_x0_5(num_classes=NUM_CLASSES)
+    x, y = image_batch(64)
+    return model.train(), (x,), {}, classification_loss(y)
+
+
 @pytest.mark.parametrize("build", [_gpt_neox, _phi3, timm_builder("edgenext_xx_small"),
-                                   timm_builder("ghostnetv2_100", size=64)], ids=_name)
+                                   timm_builder("ghostnetv2_100", size=64), _shufflenet],
+                         ids=_name)
 @pytest.mark.parametrize("policy,state", [("recompute", "device"), ("offload", "device"),
                                           ("superneurons", "device"), ("superneurons", "host")])
 def test_models_no_other_test_trains_match_plain(build, policy, state):

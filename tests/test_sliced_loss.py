@@ -86,6 +86,35 @@ def test_half_logits_under_autocast_are_cast_as_autocast_casts(dtype, device):
     assert type(sliced_cross_entropy(logits, target).grad_fn).__name__ != ours_fn
 
 
+def _opt():
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
+                                    ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                                    max_position_embeddings=128)             # dropout 0.1
+    config.use_cache = False
+    return transformers.OPTForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_decoder_no_other_test_trains_matches_plain_within_a_budget(bf16, monkeypatch):
+    """HF OPT, sliced, under a budget between the floor and liveness (the planner's trim,
+    weighed by the machine's rates), 3 AdamW steps bit for bit."""
+    ran = []
+    run_sliced = sliced_loss._run
+    monkeypatch.setattr(sliced_loss, "_run", lambda *args: ran.append(1) or run_sliced(*args))
+    call = dict(input_ids=_tokens()["input_ids"], labels=_tokens()["labels"])
+    def planned(policy):           # as the wrapper plans the step, under the step's autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            wrapped = sn.wrap(_opt(), policy=policy, slice_loss=True)
+            return wrapped.plan_for(**call)[0].peak_bytes
+    floor, liveness = planned("superneurons"), planned("liveness")
+    budget = (floor + liveness) // 2
+    plain = _train(_opt, call, lambda m: m, "cpu", bf16)
+    ours = _train(_opt, call, lambda m: sn.wrap(m, policy="superneurons", budget=budget,
+                                                 slice_loss=True), "cpu", bf16)
+    assert ran and all(torch.equal(a, b) for a, b in zip(plain, ours))
+
+
 def test_a_backward_that_builds_a_graph_says_to_turn_slicing_off():
     """Rule 3; and without slice_loss (the default) a gradient penalty through the wrapped
     model's loss is plain PyTorch's."""
