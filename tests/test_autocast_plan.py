@@ -66,6 +66,46 @@ def test_cuda_autocast_keeps_log_softmax_in_float32():
     assert [cpu.values[v].dtype for v in cpu.output_values] == [torch.bfloat16]
 
 
+def _saved_by_cross_entropy(kind: str, call: str, device, **kwargs) -> list:
+    """The dtypes of the logits-sized tensors a cross-entropy of bf16 logits saves for its backward,
+    under autocast on ``kind``: real autocast where ``device`` is that kind, capture's
+    AutocastOnMeta where it is "meta"."""
+    from superneurons.capture.autocast import AutocastOnMeta
+    logits = torch.randn(6, 5, device=device).bfloat16().requires_grad_()
+    target = torch.tensor([0, 1, 2, 3, 4, -100], device=device)
+    saved = []
+    def pack(tensor):
+        saved.append((tensor.dtype, tuple(tensor.shape)))
+        return tensor
+    loss_of = {"F": torch.nn.functional.cross_entropy,
+               "aten": torch.ops.aten.cross_entropy_loss.default}[call]
+    autocast = (AutocastOnMeta(kind, torch.bfloat16) if device == "meta"
+                else torch.autocast(kind, dtype=torch.bfloat16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        loss = loss_of(logits, target, **kwargs)
+    return sorted(str(d) for d, shape in saved if shape == (6, 5)), loss.dtype
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("call", ["F", "aten"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_cross_entropy_is_planned_with_what_autocast_saves(kind, call, smoothing):
+    """autocast.py Rule 4: the logits-sized tensors a bf16 cross-entropy saves, and its
+    loss's dtype, are the real step's, on the CPU and on CUDA."""
+    kwargs = {"label_smoothing": smoothing} if smoothing else {}
+    assert _saved_by_cross_entropy(kind, call, "meta", **kwargs) == \
+        _saved_by_cross_entropy(kind, call, kind, **kwargs)
+
+
+def test_cuda_autocast_plans_a_half_log_softmax_and_a_float32_copy():
+    """What torch's CUDA lists give (no cross_entropy_loss in them; log_softmax called with a
+    dtype; nll_loss in float32), checked on any machine."""
+    saved, dtype = _saved_by_cross_entropy("cuda", "F", "meta")
+    assert saved == ["torch.bfloat16", "torch.float32"] and dtype == torch.float32
+    saved, _ = _saved_by_cross_entropy("cpu", "F", "meta")
+    assert saved and set(saved) == {"torch.float32"}
+
+
 def test_wrap_plans_again_when_the_autocast_state_changes():
     torch.manual_seed(0)
     wrapped = sn.wrap(Traps(), policy="superneurons")

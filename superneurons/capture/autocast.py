@@ -14,7 +14,17 @@ Rule 2: the lists are torch's own (aten/src/ATen/autocast_mode.cpp), one per dev
         the names under which ops reach __torch_function__; an op missing from them runs in its
         inputs' dtype, as under autocast.
 Rule 3: only floating-point tensors other than float64 are cast, as autocast does.
+Rule 4: a cross-entropy reaches the mode whole (as F.cross_entropy, or an exported graph's
+        aten.cross_entropy_loss), while autocast sees the ops it decomposes into. On the CPU
+        autocast lists cross_entropy_loss itself (float32 throughout). CUDA lists no
+        cross-entropy: its log-softmax runs in the logits' own dtype (the dtype it is called
+        with) and its nll_loss in float32, on a float32 copy of the log-probabilities that the
+        loss saves; the mode runs that decomposition, so a plan counts both tensors.
 """
+
+import inspect
+
+import torch.nn.functional as F
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -41,12 +51,12 @@ _FLOAT32 = {
              "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits",
              "dist", "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d",
              "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
-             "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d",
-             "cross_entropy_loss"},
+             "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d"},
     "cpu": {"avg_pool3d", "binary_cross_entropy", "grid_sampler", "polar", "prod", "quantile",
             "nanquantile", "stft", "cdist", "trace", "max_pool3d", "adaptive_avg_pool3d",
             "mse_loss", "cosine_embedding_loss", "nll_loss", "nll_loss_nd", "nll_loss2d",
             "hinge_embedding_loss", "poisson_nll_loss", "smooth_l1_loss", "cross_entropy_loss",
+            "cross_entropy",                                      # F.cross_entropy: Rule 4
             "l1_loss", "huber_loss", "margin_ranking_loss", "soft_margin_loss",
             "triplet_margin_loss", "multi_margin_loss", "kl_div", "multilabel_margin_loss",
             "binary_cross_entropy_with_logits"},
@@ -57,6 +67,16 @@ _FLOAT32_UNLESS_DTYPE = {
              "linalg_matrix_norm", "sum", "nansum"},
     "cpu": set(),
 }
+
+
+_CROSS_ENTROPY = ("cross_entropy", "cross_entropy_loss")
+_CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
+_ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+
+
+def casts_cross_entropy(device_type: str) -> bool:
+    """Whether autocast on ``device_type`` runs a cross-entropy's input in float32 (Rule 4)."""
+    return "cross_entropy_loss" in _FLOAT32.get(device_type, ())
 
 
 def _cast(obj, dtype: torch.dtype):
@@ -88,6 +108,8 @@ class AutocastOnMeta(TorchFunctionMode):
             name = func.overloadpacket.__name__
         else:
             name = getattr(func, "__name__", "")
+        if name in _CROSS_ENTROPY and name not in self.float32:            # Rule 4
+            return _cross_entropy_below_autocast(func, name, args, kwargs)
         if name in self.lower:
             args, kwargs = _cast(args, self.dtype), {k: _cast(v, self.dtype)
                                                      for k, v in kwargs.items()}
@@ -103,3 +125,37 @@ def autocast_state(device_type: str):
     if device_type in _LOWER and torch.is_autocast_enabled(device_type):
         return device_type, torch.get_autocast_dtype(device_type)
     return None
+
+
+def _cross_entropy_below_autocast(func, name: str, args, kwargs):
+    """A cross-entropy of half-precision logits as CUDA's autocast runs it (Rule 4); other
+    calls as they are, except probability targets, cast whole to float32: planned for at least
+    the bytes the step holds."""
+    if name == "cross_entropy":
+        call = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        call = call.arguments
+        if call["size_average"] is not None or call["reduce"] is not None:
+            return func(*args, **kwargs)
+        call["reduction"] = {"none": 0, "mean": 1, "sum": 2}[call["reduction"]]
+    else:                                     # aten.cross_entropy_loss's schema, in order
+        call = dict(zip(("input", "target"), args[:2]),
+                    **dict(zip(_ATEN_DEFAULTS, args[2:])))
+        call.update({("input" if k == "self" else k): v for k, v in kwargs.items()})
+        call = {**_ATEN_DEFAULTS, **call}
+    logits, target = call["input"], call["target"]
+    if not (isinstance(logits, torch.Tensor) and logits.dtype in (torch.float16, torch.bfloat16)):
+        return func(*args, **kwargs)
+    if target.is_floating_point():
+        return func(*_cast(args, torch.float32), **{k: _cast(v, torch.float32)
+                                                     for k, v in kwargs.items()})
+    class_dim = 0 if logits.dim() == 1 else 1
+    log_probs = torch.log_softmax(logits, class_dim, dtype=logits.dtype)
+    loss = torch._C._nn.nll_loss_nd(log_probs.float(), target,
+                                    _cast(call["weight"], torch.float32), call["reduction"],
+                                    call["ignore_index"])
+    smoothing = call["label_smoothing"]
+    if smoothing:              # the smoothing term saves nothing more: its shape is the loss's
+        smooth = -log_probs.sum(class_dim, dtype=torch.float32)
+        loss = loss * (1 - smoothing) + (smooth.sum() if call["reduction"] else smooth) * smoothing
+    return loss

@@ -17,8 +17,10 @@ Rule 1: exact. The forward runs the kernels aten.cross_entropy_loss runs (_log_s
         multiples of ROW_ALIGNMENT rows so that the buffers made for a slice have the row
         alignments the whole tensor's rows have.
 Rule 2: only the plain case is sliced: contiguous 2-D logits in float32, or in half precision
-        where autocast runs the loss in float32 (then cast as autocast casts, its backward
-        casting back; capture's AutocastOnMeta counts as autocast, so plan and step agree),
+        where autocast runs the whole loss in float32 (the CPU's autocast; then cast as it
+        casts, its backward casting back; capture's AutocastOnMeta counts as autocast, so plan
+        and step agree; CUDA's autocast runs the log-softmax in half precision, a computation
+        this form does not make),
         integer targets, no class weights, no label smoothing, reduction "mean" or "sum", at
         least two slices' rows. Any other call runs the original operation as it is.
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.overrides import _get_current_function_mode_stack
 
-from .autocast import AutocastOnMeta
+from .autocast import AutocastOnMeta, casts_cross_entropy
 
 __all__ = ["slice_losses", "SLICES", "ROW_ALIGNMENT"]
 
@@ -89,9 +91,10 @@ def _slices(rows: int) -> list:
 
 def _autocast_runs_it_in_float32(kind: str) -> bool:
     """Whether autocast would cast a half-precision cross-entropy's input to float32 now: real
-    autocast on ``kind``, or capture's (AutocastOnMeta, which casts it on either kind)."""
+    autocast on ``kind``, or capture's (AutocastOnMeta) planning for a kind whose autocast
+    does (the CPU's; CUDA's runs the log-softmax in half precision: autocast.py Rule 4)."""
     if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return True
+        return casts_cross_entropy(kind)
     return any(isinstance(mode, AutocastOnMeta) and "cross_entropy_loss" in mode.float32
                for mode in _get_current_function_mode_stack())
 
