@@ -6,7 +6,7 @@ system inherits another's allocator state.
 
     python benchmarks/ratio.py OUT_DIR [--models resnet50 efficientnet_b0 densenet121 gpt2]
         [--dtypes fp32 bf16] [--ratios 0.75 0.5 0.35 0.25] [--systems ...] [--steps 6]
-        [--workers 1] [--slice-loss] [--plot]
+        [--workers 1] [--no-slice-loss] [--plot]
 
 Writes OUT_DIR/ratio_<model>_<dtype>.json, rewritten after each measurement (a run stopped by a
 time limit keeps what it measured), and OUT_DIR/ratio_<model>.png with --plot. A capped system
@@ -44,7 +44,7 @@ CAP_HEADROOM = 0.5 / 12
 BATCH = {"resnet50": 192, "efficientnet_b0": 192, "densenet121": 128, "gpt2": 16}
 IMAGE, SEQUENCE, VOCAB = 224, 1024, 50257
 GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for its timed steps
-SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "1" wraps with slice_loss=True (--slice-loss)
+SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
 
 
@@ -105,7 +105,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     run = model
     if system == "superneurons":
         run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)),
-                      slice_loss=os.environ.get(SLICE_LOSS) == "1")
+                      slice_loss=os.environ.get(SLICE_LOSS) != "0")
     elif system == "compile":
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = ratio or 1.0
@@ -234,7 +234,7 @@ def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: in
         paths[case] = os.path.join(out, f"ratio_{name}_{dtype}.json")
         records[case] = {"command": " ".join(sys.argv), "model": name, "dtype": dtype,
                          "batch": BATCH[name], "workers": workers,
-                         "slice_loss": os.environ.get(SLICE_LOSS) == "1", "complete": False,
+                         "slice_loss": os.environ.get(SLICE_LOSS) != "0", "complete": False,
                          "rows": []}
         plain = {"system": "plain", "ratio": None, "control": False,
                  **child(name, dtype, "plain", None, None, steps)}
@@ -302,13 +302,13 @@ def main():
     parser.add_argument("--workers", type=int, default=1,
                         help="processes at a time after the plain rows (timed steps never share "
                              "the GPU)")
-    parser.add_argument("--slice-loss", action="store_true",
-                        help="superneurons with slice_loss=True (its cross-entropy's backward "
-                             "in slices of rows)")
+    parser.add_argument("--no-slice-loss", action="store_true",
+                        help="superneurons with slice_loss=False (its cross-entropy's backward "
+                             "whole, as plain PyTorch runs it)")
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args()
-    if args.slice_loss:
-        os.environ[SLICE_LOSS] = "1"                 # the children read it
+    if args.no_slice_loss:
+        os.environ[SLICE_LOSS] = "0"                 # the children read it
     # what a compilation may use beside the other processes
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS",
                           str(max(1, (os.cpu_count() or 2) // max(1, args.workers))))

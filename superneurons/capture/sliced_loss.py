@@ -24,13 +24,14 @@ Rule 2: only the plain case is sliced: contiguous 2-D logits in float32, or in h
         integer targets, no class weights, no label smoothing, reduction "mean" or "sum", at
         least two slices' rows. Any other call runs the original operation as it is.
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
-        penalty) is a RuntimeError saying to wrap without slice_loss. Plain PyTorch sums the
-        loss's gradient and the penalty's at its one log-softmax node, then runs its backward
-        once; a log-softmax made again for the graph would run it twice and sum after (a
-        last-bit difference in the logits' gradient). Keeping the logits, not their
-        log-softmax, has two more effects plain PyTorch does not have: logits written in place
-        after the loss make autograd's backward refuse ("modified by an inplace operation"),
-        and torch.func's transforms (grad, vmap, jvp) refuse the Function.
+        penalty), or one after the logits were written in place, is a RuntimeError saying to
+        wrap with slice_loss=False. Plain PyTorch sums the loss's gradient and the penalty's at
+        its one log-softmax node, then runs its backward once; a log-softmax made again for the
+        graph would run it twice and sum after (a last-bit difference in the logits'
+        gradient). Keeping the logits, not their log-softmax, has two more effects plain
+        PyTorch does not have: logits written in place after the loss cannot be read back
+        (autograd's version check), and torch.func's transforms (grad, vmap, jvp) refuse the
+        Function.
 Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or autocast region
         of an exported graph (its own submodule) runs as it is, and is planned so.
 """
@@ -64,13 +65,20 @@ class _SlicedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, target, total_weight = ctx.saved_tensors
+        try:
+            logits, target, total_weight = ctx.saved_tensors
+        except RuntimeError as error:                         # Rule 3: written in place since
+            raise RuntimeError(
+                "superneurons keeps this cross-entropy's logits for its backward over slices of "
+                "rows (capture/sliced_loss.py), and they were written in place after the loss: "
+                "plain PyTorch, which keeps their log-softmax instead, would run this backward. "
+                "Wrap the model with slice_loss=False for it.") from error
         if torch.is_grad_enabled():                                          # Rule 3
             raise RuntimeError(
                 "superneurons runs this cross-entropy's backward over slices of rows "
                 "(capture/sliced_loss.py), which gives plain PyTorch's bits for one backward "
                 "only: a backward that builds a graph through it (create_graph=True) would not. "
-                "Wrap the model with slice_loss=False, the default, for that.")
+                "Wrap the model with slice_loss=False for that.")
         grad = torch.empty_like(logits)
         for start, stop in _slices(logits.shape[0]):
             log_probs = torch.ops.aten._log_softmax.default(logits[start:stop], 1, False)

@@ -316,7 +316,7 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
          strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None,
-         state="device", machine: Machine = H200, slice_loss: bool = False) -> Plan:
+         state="device", machine: Machine = H200, slice_loss: bool = True) -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
     ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of

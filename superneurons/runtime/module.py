@@ -88,7 +88,7 @@ log = logging.getLogger(__name__)
 
 class SuperNeuronsModule(nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
-                 process_group=None, slice_loss=False):
+                 process_group=None, slice_loss=True):
         super().__init__()
         self.model = model
         self.slice_loss = bool(slice_loss)                        # capture/sliced_loss.py
@@ -548,18 +548,18 @@ def _moved_to(tree, device: torch.device):
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",
-         state="device", device=None, process_group=None, slice_loss=False):
+         state="device", device=None, process_group=None, slice_loss=True):
     """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB").
     ``state="host"`` keeps parameters, gradients, buffers and optimizer state in host memory and
     runs the model on ``device`` (default: CUDA where there is one), streaming the state layer
     by layer: models whose state alone exceeds the device. Build the optimizer over the model's
     parameters as usual; it steps them in host memory. ``process_group`` (state="host"):
     train data-parallel over that torch.distributed group as DistributedDataParallel would,
-    which cannot wrap such a model; ``wrapped.no_sync()`` as DDP's. ``slice_loss=True``: run a
-    cross-entropy's backward over slices of rows, with plain PyTorch's bits, holding two
-    logits' bytes instead of three (capture/sliced_loss.py; a backward that builds a graph
-    through the loss, create_graph=True, is refused). Off by default until its exactness is
-    checked on CUDA as it is on the CPU."""
+    which cannot wrap such a model; ``wrapped.no_sync()`` as DDP's. ``slice_loss`` (on by
+    default): run a cross-entropy's backward over slices of rows, with plain PyTorch's bits,
+    holding two logits' bytes instead of three (capture/sliced_loss.py). A backward that builds
+    a graph through the loss (create_graph=True: a gradient penalty), or one after the logits
+    were written in place, is refused with a RuntimeError: pass slice_loss=False for those."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
     return SuperNeuronsModule(model, policy, budget, strategy, state, device, process_group,
