@@ -1,7 +1,8 @@
 """Running an exported graph's ATen operations on the meta device, as capture does.
 
 An exported graph names the example's device (arange, to) and its attention is one operation
-whose kernel on the device differs from its meta twin's; these say what capture does about it.
+whose kernel on the device differs from its meta twin's, in what it saves and in the layout of
+its output; these say what capture does about it.
 """
 
 import math
@@ -12,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from .graph import Saved
 
-__all__ = ["DevicesOnMeta", "fused_attention", "storage_key"]
+__all__ = ["DevicesOnMeta", "fused_attention", "storage_key", "with_traced_layout"]
 
 _META = torch.device("meta")
 
@@ -47,3 +48,33 @@ def fused_attention(args, kwargs, fresh: dict, outputs: tuple) -> tuple:
     query = args[0]
     saved.append(Saved(None, math.prod(query.shape[:-1]) * 4))   # the float32 log-sum-exp
     return tuple(dict.fromkeys(saved)), (0, 0)
+
+
+def with_traced_layout(node, result):
+    """``result`` with the strides export traced for ``node`` on the example's device, where
+    its meta twin lays its outputs out otherwise: a fused attention's output is (batch, tokens,
+    heads, dim) in memory on the device, so code that transposes it back and calls view()
+    (nanoGPT) works there, and on meta only if the meta output is laid out the same. A view of
+    the same storage: the bytes and aliasing capture measures stay the meta run's."""
+    traced = node.meta.get("val")
+    leaves, spec = pytree.tree_flatten(result)
+    traced_leaves = pytree.tree_leaves(traced)
+    if traced is None or len(leaves) != len(traced_leaves):
+        return result
+
+    def relaid(tensor, like):
+        if not (isinstance(tensor, torch.Tensor) and isinstance(like, torch.Tensor)
+                and tensor.shape == like.shape and tensor.stride() != like.stride()
+                and _dense(like) and _dense(tensor)):
+            return tensor
+        with torch.enable_grad():                  # a view that keeps the output's autograd
+            return tensor.as_strided(like.shape, like.stride(), tensor.storage_offset())
+    return pytree.tree_unflatten([relaid(t, like) for t, like in zip(leaves, traced_leaves)],
+                                 spec)
+
+
+def _dense(tensor) -> bool:
+    """Whether its elements fill a block of memory without gaps (a permutation of a contiguous
+    layout), so that any storage of its numel holds it."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.numel() == 0 or extent == tensor.numel()

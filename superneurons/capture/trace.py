@@ -27,7 +27,7 @@ from torch import fx, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
-from .aten import DevicesOnMeta, fused_attention, storage_key
+from .aten import DevicesOnMeta, fused_attention, storage_key, with_traced_layout
 from .autocast import AutocastOnMeta
 from .export import module_path
 from .graph import Layer, LayerGraph, Saved, Storage, Value
@@ -278,6 +278,8 @@ class Analyzer:
             result, packed, mutated, watch = self._run(node, module, name, args, kwargs, tensors)
             random = watch.random
             written = watch.written
+        if self.exported:
+            result = with_traced_layout(node, result)
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         if set(mutates) & set(self.state_storage.values()):
             raise ValueError(
