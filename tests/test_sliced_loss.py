@@ -98,6 +98,13 @@ def _opt():
     return transformers.OPTForCausalLM(config).train()
 
 
+# transformers 5.17's OPT makes its own mask of ones and branches on its values
+# (masking_utils._ignore_causal_mask_sdpa), which export cannot capture: superneurons refuses
+# it with a ValueError there (seen on the device machine); 5.24's does not
+OLD_OPT = tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24)
+
+
+@pytest.mark.skipif(OLD_OPT, reason="transformers < 5.24: OPT's forward branches on its mask")
 @pytest.mark.parametrize("bf16", [False, True])
 def test_a_decoder_no_other_test_trains_matches_plain_within_a_budget(bf16, monkeypatch):
     """HF OPT, sliced, under a budget between the floor and liveness (the planner's trim,
