@@ -73,8 +73,13 @@ def with_traced_layout(node, result):
                                  spec)
 
 
-def _dense(tensor) -> bool:
-    """Whether its elements fill a block of memory without gaps (a permutation of a contiguous
-    layout), so that any storage of its numel holds it."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return tensor.numel() == 0 or extent == tensor.numel()
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether its elements fill a block of memory once each (a permutation of a contiguous
+    layout), so that any storage of its numel holds it and no two elements share an address."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride())
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

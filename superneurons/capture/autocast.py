@@ -71,6 +71,7 @@ _FLOAT32_UNLESS_DTYPE = {
 
 _CROSS_ENTROPY = ("cross_entropy", "cross_entropy_loss")
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}                       # at::Reduction
 _ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
 
 
@@ -128,16 +129,18 @@ def autocast_state(device_type: str):
 
 
 def _cross_entropy_below_autocast(func, name: str, args, kwargs):
-    """A cross-entropy of half-precision logits as CUDA's autocast runs it (Rule 4); other
-    calls as they are, except probability targets, cast whole to float32: planned for at least
-    the bytes the step holds."""
+    """A cross-entropy of half-precision logits in the dtypes, shapes and saved tensors CUDA's
+    autocast gives it (Rule 4), on meta tensors: its values are not the loss's. Other calls as
+    they are, except probability targets and the deprecated size_average and reduce, cast
+    whole to float32: planned for at least the bytes the step holds."""
     if name == "cross_entropy":
         call = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
         call.apply_defaults()
         call = call.arguments
-        if call["size_average"] is not None or call["reduce"] is not None:
-            return func(*args, **kwargs)
-        call["reduction"] = {"none": 0, "mean": 1, "sum": 2}[call["reduction"]]
+        if call["size_average"] is not None or call["reduce"] is not None or \
+                call["reduction"] not in _REDUCTIONS:               # torch's own error for these
+            return _in_float32(func, args, kwargs)
+        call["reduction"] = _REDUCTIONS[call["reduction"]]
     else:                                     # aten.cross_entropy_loss's schema, in order
         call = dict(zip(("input", "target"), args[:2]),
                     **dict(zip(_ATEN_DEFAULTS, args[2:])))
@@ -147,8 +150,7 @@ def _cross_entropy_below_autocast(func, name: str, args, kwargs):
     if not (isinstance(logits, torch.Tensor) and logits.dtype in (torch.float16, torch.bfloat16)):
         return func(*args, **kwargs)
     if target.is_floating_point():
-        return func(*_cast(args, torch.float32), **{k: _cast(v, torch.float32)
-                                                     for k, v in kwargs.items()})
+        return _in_float32(func, args, kwargs)
     class_dim = 0 if logits.dim() == 1 else 1
     log_probs = torch.log_softmax(logits, class_dim, dtype=logits.dtype)
     loss = torch._C._nn.nll_loss_nd(log_probs.float(), target,
@@ -159,3 +161,8 @@ def _cross_entropy_below_autocast(func, name: str, args, kwargs):
         smooth = -log_probs.sum(class_dim, dtype=torch.float32)
         loss = loss * (1 - smoothing) + (smooth.sum() if call["reduction"] else smooth) * smoothing
     return loss
+
+
+def _in_float32(func, args, kwargs):
+    return func(*_cast(args, torch.float32), **{k: _cast(v, torch.float32)
+                                                 for k, v in kwargs.items()})

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)     # INFO: what a long capture is doing, for 
 
 def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
             tracer: str = "auto", device=None, packed_positions: bool = False,
-            slice_loss: bool = False) -> LayerGraph:
+            slice_loss: bool = True) -> LayerGraph:
     """The layer graph of ``model`` called like ``model(*example_args(example_input),
     **kwargs)``; ``autocast``: (device type, dtype) of the torch.autocast the step will run
     under, or None. ``tracer``: "auto" (Rule 1), or "export" to export a model fx could trace

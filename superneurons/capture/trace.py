@@ -278,15 +278,18 @@ class Analyzer:
             result, packed, mutated, watch = self._run(node, module, name, args, kwargs, tensors)
             random = watch.random
             written = watch.written
-        if self.exported:
-            result = with_traced_layout(node, result)
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         if set(mutates) & set(self.state_storage.values()):
             raise ValueError(
                 f"layer {name!r} ({node.format_node()}) writes model state in place through a "
                 "view (such as self.buffer[0].mul_(...)); superneurons cannot replay that "
                 "exactly. Write the whole tensor (self.buffer.mul_(...), or index_put_ on it).")
-        outputs, self.env[node], output_ids = self._record_outputs(result, fresh, index)
+        relaid = with_traced_layout(node, result) if self.exported else result
+        outputs, self.env[node], output_ids = self._record_outputs(relaid, fresh, index)
+        for original, tensor in zip(pytree.tree_leaves(result), pytree.tree_leaves(relaid)):
+            if tensor is not original and id(tensor) in output_ids:  # what the layer saved
+                output_ids[id(original)] = output_ids[id(tensor)]
+        result = relaid
         if pattern is not None:
             saved = tuple(Saved(outputs[at]) if source == "output" else
                           Saved(order[at]) if source == "input" else Saved(None, at)

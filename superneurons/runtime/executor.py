@@ -32,6 +32,10 @@ Rule 6: the pool makes a backward step's room when that step reads a pool tensor
         at 1455 img/s, where entering pool steps alone had moved nothing at 1786 (another host;
         speed_resnet50_280_steps.json, speed.json): the calibrated excess, which holds cuDNN
         workspaces that shrink to fit, was added at steps inside whole-block replays.
+Rule 7: a saved tensor written in place after it was saved is refused when backward reads it,
+        as autograd refuses it where no hooks are set (with them it does not check): whether
+        kept, moved or replayed, the step would otherwise read other values than plain
+        PyTorch's, or refuse nothing where it refuses.
 """
 
 import logging
@@ -46,7 +50,7 @@ from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
 from ..units import format_bytes
-from .handles import PoolRef, SlotRef, ValueRef, storage_bytes, view_of
+from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
 from .calibration import Calibration, allocated_bytes
 from .pool import TensorPool
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
@@ -405,18 +409,22 @@ class Executor:
         if tensor.device.type != self.device.type:
             return tensor     # a kernel's host-side scalars (attention's random seed and offset)
         if self.segment is not None:
-            return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index))
+            return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
+                           Written(tensor))
         holder = [tensor]
         self.pending.append(holder)
         return holder
 
     def _unpack(self, handle):
-        step = None
-        if isinstance(handle, list):      # a holder: [tensor or handle, the step reading it]
-            step = handle[1] if len(handle) > 1 else None                # (once resolved)
+        step = written = None
+        if isinstance(handle, list):  # a holder: [tensor or handle, the step reading it, Written]
+            if len(handle) > 1:                                                 # (resolved)
+                step, written = handle[1], handle[2]
             handle = handle[0]
         elif isinstance(handle, SlotRef):   # saved inside a segment: it carries its step
-            step = handle.step
+            step, written = handle.step, handle.written
+        if written is not None:                                                # Rule 7
+            written.check()
         if step is not None and (isinstance(handle, PoolRef) or step in self.scratch_steps):
             self._enter_backward_step(step)                                   # Rule 6
         if isinstance(handle, torch.Tensor):
@@ -457,6 +465,7 @@ class Executor:
         for index, holder in enumerate(self.pending):
             tensor = holder[0]
             holder.append(step)                 # the backward step that reads it (_unpack)
+            holder.append(Written(tensor))      # as saved: the layer's forward has just run
             value = by_storage.get(tensor.untyped_storage().data_ptr())
             if value is None:       # a layer's own tensor (pooling indices, batch statistics)
                 if policy is Policy.SUPERNEURONS:

@@ -5,7 +5,11 @@ layer's backward it drops the handle, and ``__del__`` lets the pool or the segme
 liveness in backward comes for free from autograd's own bookkeeping.
 """
 
+import weakref
+
 import torch
+
+from ..capture.sliced_loss import MODIFIED_INPLACE
 
 
 def view_of(tensor: torch.Tensor):
@@ -24,6 +28,31 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     out = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     storage = tensor.untyped_storage()
     return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class Written:
+    """Whether a saved tensor has been written in place since it was saved. Autograd checks
+    that at every unpack, except where saved_tensors_hooks are set, as the executor's are: the
+    executor checks instead, through a weak reference (the check keeps no bytes alive; a tensor
+    nobody holds any more cannot be written) to the tensor, or to its base where it is a view:
+    views share their base's version, and the base is what outlives a view the executor
+    drops (the logits a loss flattened, returned to the caller whole)."""
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        self.ref, self.version = weakref.ref(base), tensor._version
+
+    def check(self) -> None:
+        tensor = self.ref()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                f"{MODIFIED_INPLACE}: a {tuple(tensor.shape)} {tensor.dtype} tensor saved in a "
+                f"superneurons step is at version {tensor._version}; expected version "
+                f"{self.version} instead. It was written in place after the forward saved it, "
+                "as plain PyTorch would refuse too (unless the tensor is logits a "
+                "superneurons-sliced cross-entropy keeps: wrap with slice_loss=False then).")
 
 
 class PoolRef:
@@ -50,12 +79,12 @@ class PoolRef:
 class SlotRef:
     """A tensor saved inside a recomputation segment: dropped now, replayed in backward."""
 
-    __slots__ = ("record", "key", "step")
+    __slots__ = ("record", "key", "step", "written")
 
-    def __init__(self, record, key, step: int | None = None):
+    def __init__(self, record, key, step: int | None = None, written: Written | None = None):
         # step: the backward that reads it (one saved inside a segment goes to autograd as is;
-        # a ValueRef sits in a holder that carries the step)
-        self.record, self.key, self.step = record, key, step
+        # a ValueRef sits in a holder that carries the step and the Written)
+        self.record, self.key, self.step, self.written = record, key, step, written
         record.hold(key)
 
     def get(self) -> torch.Tensor:
