@@ -75,3 +75,31 @@ def test_a_second_backward_is_not_blamed_on_a_write():
     with pytest.raises(RuntimeError) as error:
         loss.backward()
     assert "slice_loss" not in str(error.value)
+
+
+class _ScaledAfterTheLoss(nn.Module):
+    """Logits written in place after the loss, inside the forward (a temperature for what it
+    returns): plain PyTorch trains through this, as it keeps the log-softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 100)
+
+    def forward(self, x, target):
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        logits.mul_(0.5)
+        return loss, logits
+
+
+def test_logits_written_after_a_sliced_loss_inside_the_forward_are_refused_before_a_step():
+    x, target = torch.randn(256, 16), torch.randint(0, 100, (256,))
+    with pytest.raises(ValueError, match="keeps for its backward over slices.*slice_loss=False"):
+        sn.wrap(_ScaledAfterTheLoss(), "recompute")(x, target)
+    grads = []
+    for wrap in (lambda m: m, lambda m: sn.wrap(m, "recompute", slice_loss=False)):
+        torch.manual_seed(0)
+        model = _ScaledAfterTheLoss()
+        wrap(model)(x, target)[0].backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

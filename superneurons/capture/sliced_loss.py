@@ -43,7 +43,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .autocast import AutocastOnMeta, casts_cross_entropy
 
-__all__ = ["slice_losses", "SLICES", "ROW_ALIGNMENT"]
+__all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "ROW_ALIGNMENT"]
 
 SLICES = 16                  # a slice's two temporaries: at most 1/8 of the logits' bytes
 # slices start at multiples of this many rows: an fp32 row's offset is then a multiple of 256
@@ -156,6 +156,7 @@ def sliced_cross_entropy(input, target, weight=None, size_average=None, ignore_i
 
 _SLICED = {torch.ops.aten.cross_entropy_loss.default: sliced_cross_entropy_loss,
            F.cross_entropy: sliced_cross_entropy}
+SLICED_LOSSES = frozenset(_SLICED.values())
 
 
 def slice_losses(gm: fx.GraphModule) -> int:

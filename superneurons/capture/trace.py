@@ -34,6 +34,7 @@ from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import flops_of, kind_of
 from .memo import Pattern, memo_key
 from .scratch import LiveBytes, backward_scratch, one_kernel_backward
+from .sliced_loss import SLICED_LOSSES
 
 
 class _LeafTracer(fx.Tracer):
@@ -200,6 +201,13 @@ class Analyzer:
                 saver = saved_by.get(storage)
                 if saver is not None and saver != layer.index:
                     first = self.layers[saver]
+                    if first.node.target in SLICED_LOSSES:
+                        raise ValueError(
+                            f"layer {layer.name!r} ({layer.node.format_node()}) writes in place "
+                            f"into the logits that the cross-entropy {first.name!r} keeps for its "
+                            "backward over slices of rows (capture/sliced_loss.py); plain "
+                            "PyTorch keeps their log-softmax instead and runs this. Wrap the "
+                            "model with slice_loss=False.")
                     raise ValueError(
                         f"layer {layer.name!r} ({layer.node.format_node()}) writes in place into "
                         f"a tensor that layer {first.name!r} saved for its backward; plain "
