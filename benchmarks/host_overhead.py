@@ -4,7 +4,9 @@
   requires_grad (runtime/structure.py) on torchvision's DenseNet-121, against walking the
   module tree at every call as the wrapper did before;
 - per plan, a budget's search with the state on the host: how many plans of one graph it
-  builds and the time spent listing the graph's state tensors (planner/state.py).
+  builds and the time spent listing the graph's state tensors (planner/state.py);
+- per saved tensor, the executor's check that it was not written in place since it was saved
+  (executor Rule 7, runtime/handles.py Written), made at saving and read at backward.
 
     python benchmarks/host_overhead.py OUT_DIR
 """
@@ -66,12 +68,23 @@ def state_listing(n3: int = 100) -> dict:
             "resident_tensors": len(plan.resident_state)}
 
 
+def written_check() -> dict:
+    import torch
+    from superneurons.runtime.handles import Written
+    base = torch.empty(64, 64)
+    view = base[1:]                               # a view: the check follows its base
+    count = 100_000
+    seconds = min(timeit.repeat(lambda: Written(view).check(), number=count, repeat=5)) / count
+    return {"saved_tensor": "a view of a 64 x 64 float32 tensor", "per_saved_tensor_us": seconds * 1e6}
+
+
 def main():
     from common import environment, write
     out = sys.argv[1]
     write(os.path.join(out, "host_overhead.json"),
           {"command": " ".join(sys.argv), "environment": environment(), "cpu_count": os.cpu_count(),
-           "key_read": key_read(), "state_listing": state_listing()})
+           "key_read": key_read(), "state_listing": state_listing(),
+           "written_check": written_check()})
 
 
 if __name__ == "__main__":
