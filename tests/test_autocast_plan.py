@@ -89,12 +89,15 @@ def _saved_by_cross_entropy(kind: str, call: str, device, **kwargs) -> list:
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("call", ["F", "aten"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_a_cross_entropy_is_planned_with_what_autocast_saves(kind, call, smoothing):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_cross_entropy_is_planned_with_what_autocast_saves(kind, call, smoothing, weighted):
     """autocast.py Rule 4: the logits-sized tensors a bf16 cross-entropy saves, and its
     loss's dtype, are the real step's, on the CPU and on CUDA."""
-    kwargs = {"label_smoothing": smoothing} if smoothing else {}
-    assert _saved_by_cross_entropy(kind, call, "meta", **kwargs) == \
-        _saved_by_cross_entropy(kind, call, kind, **kwargs)
+    def kwargs(device):
+        weight = {"weight": torch.linspace(0.5, 1.5, 5, device=device)} if weighted else {}
+        return {**weight, **({"label_smoothing": smoothing} if smoothing else {})}
+    assert _saved_by_cross_entropy(kind, call, "meta", **kwargs("meta")) == \
+        _saved_by_cross_entropy(kind, call, kind, **kwargs(kind))
 
 
 def test_cuda_autocast_plans_a_half_log_softmax_and_a_float32_copy():

@@ -158,7 +158,12 @@ def _cross_entropy_below_autocast(func, name: str, args, kwargs):
                                     call["ignore_index"])
     smoothing = call["label_smoothing"]
     if smoothing:              # the smoothing term saves nothing more: its shape is the loss's
-        smooth = -log_probs.sum(class_dim, dtype=torch.float32)
+        weighted = log_probs
+        if call["weight"] is not None:    # a float32 temporary of the logits' shape, as on CUDA
+            shape = [1] * logits.dim()
+            shape[class_dim] = call["weight"].shape[0]
+            weighted = log_probs * call["weight"].float().view(shape)
+        smooth = -weighted.sum(class_dim, dtype=torch.float32)
         loss = loss * (1 - smoothing) + (smooth.sum() if call["reduction"] else smooth) * smoothing
     return loss
 
