@@ -103,3 +103,62 @@ def test_logits_written_after_a_sliced_loss_inside_the_forward_are_refused_befor
         wrap(model)(x, target)[0].backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _ReturnsADetachedFeature(nn.Module):
+    """A detach() alias shares the saved tensor's version but is no view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+
+    def forward(self, x):
+        h = self.c1(x)
+        return self.c2(torch.sin(h)), h.detach()
+
+
+class _WritesWhatItSaved(nn.Module):
+    """a.mul_(a) saves a, then writes it: plain PyTorch refuses the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        a = self.l1(x)
+        a.mul_(a)
+        return self.l2(a)
+
+
+def _optimizer_step_before_backward(wrap):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = wrap(model)(torch.randn(4, 8))
+    out.pow(2).sum().backward(retain_graph=True)
+    optimizer.step()                                  # the saved weights are written
+    out.sum().backward()
+
+
+def _detached_feature_written(wrap):
+    torch.manual_seed(0)
+    out, feature = wrap(_ReturnsADetachedFeature())(torch.randn(2, 3, 16, 16))
+    feature.mul_(0)
+    out.sum().backward()
+
+
+def _written_by_the_layer_that_saved_it(wrap):
+    torch.manual_seed(0)
+    wrap(_WritesWhatItSaved())(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute", "superneurons"])
+@pytest.mark.parametrize("case", [_optimizer_step_before_backward, _detached_feature_written,
+                                  _written_by_the_layer_that_saved_it])
+def test_every_write_plain_pytorch_refuses_is_refused(case, policy):
+    """Saved weights (an optimizer step between forward and backward), a saved tensor written
+    through a detach() alias, and one written by the layer that saved it."""
+    with pytest.raises(RuntimeError, match=MODIFIED_INPLACE):
+        case(lambda m: m)
+    with pytest.raises(RuntimeError, match=MODIFIED_INPLACE):
+        case(lambda m: sn.wrap(m, policy))

@@ -403,7 +403,7 @@ class Executor:
         self.counter += 1
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.param_ptrs:
-            return tensor                                            # Rule 3
+            return [tensor, Written(tensor)]                         # Rule 3 (and 7)
         if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
             return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
         if tensor.device.type != self.device.type:
@@ -411,15 +411,16 @@ class Executor:
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
                            Written(tensor))
-        holder = [tensor]
+        holder = [tensor, Written(tensor)]       # as saved, before the layer writes any more
         self.pending.append(holder)
         return holder
 
     def _unpack(self, handle):
         step = written = None
-        if isinstance(handle, list):  # a holder: [tensor or handle, the step reading it, Written]
-            if len(handle) > 1:                                                 # (resolved)
-                step, written = handle[1], handle[2]
+        if isinstance(handle, list):  # a holder: [tensor or handle, Written, the step reading it]
+            written = handle[1]
+            if len(handle) > 2:                                                 # (resolved)
+                step = handle[2]
             handle = handle[0]
         elif isinstance(handle, SlotRef):   # saved inside a segment: it carries its step
             step, written = handle.step, handle.written
@@ -465,7 +466,6 @@ class Executor:
         for index, holder in enumerate(self.pending):
             tensor = holder[0]
             holder.append(step)                 # the backward step that reads it (_unpack)
-            holder.append(Written(tensor))      # as saved: the layer's forward has just run
             value = by_storage.get(tensor.untyped_storage().data_ptr())
             if value is None:       # a layer's own tensor (pooling indices, batch statistics)
                 if policy is Policy.SUPERNEURONS:

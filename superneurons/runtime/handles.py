@@ -5,9 +5,8 @@ layer's backward it drops the handle, and ``__del__`` lets the pool or the segme
 liveness in backward comes for free from autograd's own bookkeeping.
 """
 
-import weakref
-
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ..capture.sliced_loss import MODIFIED_INPLACE
 
@@ -33,26 +32,27 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class Written:
     """Whether a saved tensor has been written in place since it was saved. Autograd checks
     that at every unpack, except where saved_tensors_hooks are set, as the executor's are: the
-    executor checks instead, through a weak reference (the check keeps no bytes alive; a tensor
-    nobody holds any more cannot be written) to the tensor, or to its base where it is a view:
-    views share their base's version, and the base is what outlives a view the executor
-    drops (the logits a loss flattened, returned to the caller whole)."""
+    executor checks instead, through an alias that shares the tensor's version counter (as its
+    views, its base and its detach() aliases do) and none of its bytes, so the check keeps no
+    memory alive that the plan frees or moves."""
 
-    __slots__ = ("ref", "version")
+    __slots__ = ("alias", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        base = tensor._base if tensor._base is not None else tensor
-        self.ref, self.version = weakref.ref(base), tensor._version
+        alias = tensor.detach()
+        with _unsafe_preserve_version_counter(alias):     # set_() counts as a write
+            alias.set_()
+        self.alias, self.version = alias, tensor._version
 
     def check(self) -> None:
-        tensor = self.ref()
-        if tensor is not None and tensor._version != self.version:
+        if self.alias._version != self.version:
             raise RuntimeError(
-                f"{MODIFIED_INPLACE}: a {tuple(tensor.shape)} {tensor.dtype} tensor saved in a "
-                f"superneurons step is at version {tensor._version}; expected version "
-                f"{self.version} instead. It was written in place after the forward saved it, "
-                "as plain PyTorch would refuse too (unless the tensor is logits a "
-                "superneurons-sliced cross-entropy keeps: wrap with slice_loss=False then).")
+                f"{MODIFIED_INPLACE}: a tensor saved in a superneurons step is at version "
+                f"{self.alias._version}; expected version {self.version} instead. It was "
+                "written in place after the forward saved it (an optimizer step before "
+                "backward, or a write to a returned output), as plain PyTorch would refuse too, "
+                "unless the tensor is logits a superneurons-sliced cross-entropy keeps: wrap "
+                "with slice_loss=False then.")
 
 
 class PoolRef:

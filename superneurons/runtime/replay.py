@@ -15,6 +15,7 @@ import contextlib
 import weakref
 
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ..planner import Strategy
 
@@ -68,7 +69,9 @@ class SegmentRecord:
 
 @contextlib.contextmanager
 def restored_buffers(modules: list):
-    """Rule 2: a replay must leave running statistics as the first forward left them."""
+    """Rule 2: a replay must leave running statistics as the first forward left them, their
+    version included: a buffer the forward saved for backward is checked for writes since
+    (executor Rule 7), and restoring it is none."""
     saved = [(b, b.clone()) for m in modules for b in m.buffers(recurse=False)
              if b is not None]
     try:
@@ -76,7 +79,8 @@ def restored_buffers(modules: list):
     finally:
         with torch.no_grad():
             for buffer, copy in saved:
-                buffer.copy_(copy)
+                with _unsafe_preserve_version_counter(buffer):
+                    buffer.copy_(copy)
 
 
 @contextlib.contextmanager
