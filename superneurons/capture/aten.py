@@ -69,8 +69,10 @@ def with_traced_layout(node, result):
             return tensor
         with torch.enable_grad():                  # a view that keeps the output's autograd
             return tensor.as_strided(like.shape, like.stride(), tensor.storage_offset())
-    return pytree.tree_unflatten([relaid(t, like) for t, like in zip(leaves, traced_leaves)],
-                                 spec)
+    relaid_leaves = [relaid(t, like) for t, like in zip(leaves, traced_leaves)]
+    if all(new is old for new, old in zip(relaid_leaves, leaves)):
+        return result                                   # most layers: laid out alike already
+    return pytree.tree_unflatten(relaid_leaves, spec)
 
 
 def _dense(tensor: torch.Tensor) -> bool:

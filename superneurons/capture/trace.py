@@ -294,10 +294,11 @@ class Analyzer:
                 "exactly. Write the whole tensor (self.buffer.mul_(...), or index_put_ on it).")
         relaid = with_traced_layout(node, result) if self.exported else result
         outputs, self.env[node], output_ids = self._record_outputs(relaid, fresh, index)
-        for original, tensor in zip(pytree.tree_leaves(result), pytree.tree_leaves(relaid)):
-            if tensor is not original and id(tensor) in output_ids:  # what the layer saved
-                output_ids[id(original)] = output_ids[id(tensor)]
-        result = relaid
+        if relaid is not result:                     # what the layer saved is the original
+            for original, tensor in zip(pytree.tree_leaves(result), pytree.tree_leaves(relaid)):
+                if tensor is not original and id(tensor) in output_ids:
+                    output_ids[id(original)] = output_ids[id(tensor)]
+            result = relaid
         if pattern is not None:
             saved = tuple(Saved(outputs[at]) if source == "output" else
                           Saved(order[at]) if source == "input" else Saved(None, at)
