@@ -94,6 +94,7 @@ def measure(args, network: str, batch: int, path: str) -> None:
     optimizer = sgd(model)     # momentum buffers appear in step 1 and stay
     steps = {field: [] for field in FIELDS}
     record = {"network": network, "batch": batch, "steps_asked": args.steps,
+              **({} if cuda else {"device": "cpu"}),     # not the host's GPU, if it has one
               "budget": args.budget, "cap_gib": args.cap_gib if cuda else None,
               "seconds_limit": args.seconds, "image_size": args.image_size, "seed": SEED,
               "build_seconds": time.perf_counter() - built, "stopped": "running", "steps": steps}

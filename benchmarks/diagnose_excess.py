@@ -1,0 +1,129 @@
+"""Where real use exceeds the plan (executor Rule 4): per layer boundary of the calibrating
+steps, the excess the calibration reads, and at the largest one the allocator's live blocks
+grouped by where they were made; then what the later steps moved and took.
+
+    python benchmarks/diagnose_excess.py OUT_DIR MODEL:DTYPE:RATIO [...]
+
+Runs as ratio.py runs a superneurons row (its model, batch, cap at RATIO of the plain peak
+recorded in results/ratio_MODEL_DTYPE.json, AdamW), one fresh process per config; writes
+OUT_DIR/diagnose_excess_MODEL_DTYPE_RATIO.json.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 6
+
+
+def _plain_peak(name: str, dtype: str) -> int:
+    with open(os.path.join(HERE, "results", f"ratio_{name}_{dtype}.json")) as f:
+        rows = json.load(f)["rows"]
+    return next(r["peak_allocated_bytes"] for r in rows if r["system"] == "plain" and r["ok"])
+
+
+def _where(frames: list) -> str:
+    ours = [f for f in frames if "superneurons" in f["filename"]]
+    theirs = [f for f in frames if "torch/" in f["filename"] or "torchvision" in f["filename"]]
+    picked = ours[:2] + theirs[:1] or frames[:2]
+    return " | ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
+                      for f in picked)
+
+
+def _live_blocks() -> dict:
+    import torch
+    groups = defaultdict(int)
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                groups[_where(block.get("frames", []))] += block["size"]
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:25])
+
+
+def child(name: str, dtype: str, ratio: float, out: str) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import superneurons as sn
+    from superneurons.runtime import calibration
+    from common import torch_settings, write
+    from ratio import CAP_HEADROOM, build
+    torch_settings()
+    device = torch.device("cuda", 0)
+    cap = int(_plain_peak(name, dtype) * ratio)
+    torch.cuda.set_per_process_memory_fraction(
+        cap / torch.cuda.get_device_properties(device).total_memory, device)
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = build(name, "superneurons", device)
+    run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    readings, state = defaultdict(list), {"step": 0, "snap_at": None, "snapshot": None}
+    observe = calibration.Calibration.observe
+
+    def recording(self, step, others, planned, pool):
+        if state["step"] == 1 and step == state["snap_at"] and state["snapshot"] is None:
+            state["snapshot"] = {"timeline_step": step, "planned": planned, "pool": pool,
+                                 "others": others, "allocated": self.read(),
+                                 "blocks": _live_blocks()}
+        readings[state["step"]].append(
+            (step, max(0, self.read() - others - pool - planned), planned, pool))
+        return observe(self, step, others, planned, pool)
+
+    calibration.Calibration.observe = recording
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    steps = []
+    for index in range(STEPS):
+        state["step"] = index
+        if index == 1:
+            excess = [r[1] for r in readings[0]]
+            state["snap_at"] = readings[0][excess.index(max(excess))][0]
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_of(run(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        if index == 1:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        stats = run.stats
+        steps.append({"seconds": time.perf_counter() - began,
+                      "peak_allocated": torch.cuda.max_memory_allocated(device),
+                      "offloaded": stats.offloaded_bytes, "prefetched": stats.prefetched_bytes,
+                      "recomputed_layers": stats.recomputed_layers})
+    plan, executor = run.plan_for(*args, **kwargs)
+    layer_of_step = {}
+    for position, layer in enumerate(plan.order):
+        layer_of_step[position] = plan.graph.layers[layer].name
+        layer_of_step[executor.bwd(layer)] = "backward " + plan.graph.layers[layer].name
+    record = {"model": name, "dtype": dtype, "ratio": ratio, "cap_bytes": cap,
+              "budget_bytes": executor.budget_bytes, "predicted_peak_bytes": plan.peak_bytes,
+              "excess_bytes": executor.excess_bytes, "steps": steps,
+              "snapshot": state["snapshot"],
+              "readings": {str(step): [[s, layer_of_step.get(s, "?"), e, p, q]
+                                       for s, e, p, q in rows]
+                           for step, rows in readings.items()}}
+    write(out, record)
+
+
+def main():
+    if sys.argv[1] == "--child":
+        name, dtype, ratio, out = sys.argv[2:6]
+        return child(name, dtype, float(ratio), out)
+    out_dir = sys.argv[1]
+    for config in sys.argv[2:]:
+        name, dtype, ratio = config.split(":")
+        out = os.path.join(out_dir, f"diagnose_excess_{name}_{dtype}_{ratio}.json")
+        done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio, out],
+                              cwd=HERE, capture_output=True, text=True, timeout=400)
+        print(config, done.returncode, done.stderr[-1500:], flush=True)
+
+
+if __name__ == "__main__":
+    main()
