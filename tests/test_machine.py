@@ -62,3 +62,38 @@ def test_measuring_the_device_leaves_its_random_stream_and_autocast_alone():
     assert 1e9 < measured.link_bytes_per_s < 1e12
     assert measured.matmul_flops_per_s["bfloat16"] > measured.matmul_flops_per_s["float32"]
     assert "measured on" in measured.source
+
+
+def test_measured_rates_are_kept_on_disk_by_device_and_versions(tmp_path, monkeypatch):
+    """A later process reads the rates an earlier one measured on the same device; another key
+    (another device, library or TF32 setting) is measured; an unreadable cache is measured
+    around."""
+    from superneurons.runtime import machine
+    monkeypatch.setenv(machine.CACHE_DIR, str(tmp_path / "cache"))
+    measured = replace(H200, memory_bytes_per_s=1.0, source="measured on a test device")
+    machine._store("device A", measured)
+    assert machine._load("device A") == measured
+    assert machine._load("device B") is None
+    machine._store("device B", H200)
+    assert machine._load("device A") == measured and machine._load("device B") == H200
+    (tmp_path / "cache" / "machine_rates.json").write_text("{not json")
+    assert machine._load("device A") is None
+    monkeypatch.setenv(machine.CACHE_DIR, "")                  # empty: nothing kept
+    machine._store("device A", measured)
+    assert machine._load("device A") is None
+    monkeypatch.setenv(machine.CACHE_DIR, str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")                         # not a folder: measured around
+    machine._store("device A", measured)
+    assert machine._load("device A") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: measures the device's rates")
+def test_a_new_process_reads_the_rates_instead_of_measuring(tmp_path, monkeypatch):
+    from superneurons.runtime import machine
+    monkeypatch.setenv(machine.CACHE_DIR, str(tmp_path))
+    machine._MEASURED.clear()
+    device = torch.device("cuda", 0)
+    first = machine_of(device)
+    machine._MEASURED.clear()                                # as a new process starts
+    monkeypatch.setattr(machine, "_measure", lambda device: pytest.fail("measured again"))
+    assert machine_of(device) == first

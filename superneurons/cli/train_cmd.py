@@ -155,9 +155,10 @@ def _train(args, progress: Progress) -> None:
                      f"{first_step_seconds:.2f} s / " + (
                          f"{later_seconds / (args.steps - 1):.2f} s each"
                          if args.steps > 1 else "none")],
-                    ["first step: capture / planning / host check",
-                     f"{first.capture_seconds:.2f} s / {first.planning_seconds:.2f} s / "
-                     f"{first.host_check_seconds:.2f} s"],
+                    ["first step: capture / planning",
+                     f"{first.capture_seconds:.2f} s / {first.planning_seconds:.2f} s"],
+                    ["first step: device's rates / host check",
+                     f"{first.machine_seconds:.2f} s / {first.host_check_seconds:.2f} s"],
                     ["first step: host memory taken / allocator read",
                      f"{first.host_memory_seconds:.2f} s / {first.calibration_seconds:.2f} s"],
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],

@@ -6,9 +6,19 @@ a kernel pays for its handle and its choice of algorithm). The operands are fill
 constant, not drawn: drawing would advance the device's random generator and change the
 model's dropout masks. Autocast is off while measuring, so each dtype runs as asked, and the
 current TF32 settings hold: they are part of the cache key, since they set fp32's rates.
+
+Measuring costs a first step tenths of a second on the GPU (each dtype's first convolution
+chooses its algorithm), so the rates are kept on disk too: a later process on the same device
+and library versions reads them (SUPERNEURONS_CACHE_DIR, by default
+~/.cache/superneurons; set it empty to measure in every process). A cache that cannot be read
+or written is measured around, never an error.
 """
 
+import json
+import logging
+import os
 import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +26,9 @@ import torch.nn.functional as F
 from ..planner.costs import H200, Machine
 
 __all__ = ["machine_of"]
+
+log = logging.getLogger("superneurons")
+CACHE_DIR = "SUPERNEURONS_CACHE_DIR"     # environment: where measured rates are kept
 
 _MEASURED: dict = {}
 _COPY_BYTES = 32 << 20       # long enough that launch latency is a few percent of a copy
@@ -33,10 +46,66 @@ def machine_of(device: torch.device) -> Machine:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     if key not in _MEASURED:
-        with torch.cuda.device(index), torch.no_grad(), \
-                torch.autocast("cuda", enabled=False):
-            _MEASURED[key] = _measure(torch.device("cuda", index))
+        disk_key = _disk_key(index, key[1:])
+        machine = _load(disk_key)
+        if machine is None:
+            log.info("measuring %s's rates (memory, link, convolutions, matrix products)",
+                     torch.cuda.get_device_name(index))
+            with torch.cuda.device(index), torch.no_grad(), \
+                    torch.autocast("cuda", enabled=False):
+                machine = _measure(torch.device("cuda", index))
+            _store(disk_key, machine)
+        _MEASURED[key] = machine
     return _MEASURED[key]
+
+
+def _disk_key(index: int, tf32: tuple) -> str:
+    """What the rates depend on beyond the process: the device and the libraries."""
+    properties = torch.cuda.get_device_properties(index)
+    return "|".join(map(str, (
+        properties.name, getattr(properties, "uuid", index), properties.total_memory,
+        torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), *tf32)))
+
+
+def _cache_path() -> str | None:
+    folder = os.environ.get(CACHE_DIR)
+    if folder is None:
+        folder = os.path.join(os.path.expanduser("~"), ".cache", "superneurons")
+    return os.path.join(folder, "machine_rates.json") if folder else None
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            cached = json.load(f)
+        return cached if isinstance(cached, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _load(key: str) -> Machine | None:
+    path = _cache_path()
+    entry = _read_cache(path).get(key) if path else None
+    try:
+        return Machine(**entry) if entry else None
+    except TypeError:                   # written by another version of Machine: measure again
+        return None
+
+
+def _store(key: str, machine: Machine) -> None:
+    path = _cache_path()
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        cached = _read_cache(path)
+        cached[key] = asdict(machine)
+        partial = f"{path}.{os.getpid()}.tmp"        # processes writing at once each replace
+        with open(partial, "w") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(partial, path)
+    except OSError as error:
+        log.debug("measured rates not kept on disk (%s)", error)
 
 
 def _seconds(run) -> float:

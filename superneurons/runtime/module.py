@@ -302,8 +302,11 @@ class SuperNeuronsModule(nn.Module):
         log.info("planning %d layers: %s within %s", len(graph.layers), self.policy,
                  "its own floor" if self.budget_bytes is None else format_bytes(self.budget_bytes))
         began = time.perf_counter()
+        machine = machine_of(device)
+        self._made(key, machine_seconds=time.perf_counter() - began)
+        began = time.perf_counter()
         try:
-            planned = self._choose_plan(graph, device, foreign)
+            planned = self._choose_plan(graph, device, foreign, machine)
         except BudgetError as error:
             if not foreign:
                 raise
@@ -324,13 +327,12 @@ class SuperNeuronsModule(nn.Module):
                  "" if executor is not None else "; the model runs untouched")
         return planned
 
-    def _choose_plan(self, graph, device, foreign: int | None):
-        """_plan's choice of policy and executor."""
+    def _choose_plan(self, graph, device, foreign: int | None, machine):
+        """_plan's choice of policy and executor; ``machine``: the device's rates."""
         budget = self.budget_bytes
         if budget is not None and foreign is not None:
             budget = budget_left(budget, foreign, device)
         host = self.state == "host"
-        machine = machine_of(device)
         if budget is not None and self.policy in _MANAGED:
             try:
                 liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state,

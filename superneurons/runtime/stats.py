@@ -23,19 +23,21 @@ class StepStats:
     state_moved_bytes: int = 0
     # host seconds of making the plan, on the first step that runs it (0 on later steps; a
     # plan made by plan_for() before any step is reported by the step that first runs it):
-    # capturing the model, planning (the executor's set-up included, and once per device and
-    # TF32 setting, measuring its rates: runtime/machine.py), and checking that the
-    # step's host memory fits (host_memory Rule 1)
+    # capturing the model, measuring the device's rates (once per device and TF32 setting,
+    # unless kept on disk by an earlier process: runtime/machine.py), planning (the
+    # executor's set-up included), and checking that the step's host memory fits
+    # (host_memory Rule 1)
     capture_seconds: float = 0.0
     planning_seconds: float = 0.0
     host_check_seconds: float = 0.0
+    machine_seconds: float = 0.0
 
     @property
     def setup_seconds(self) -> float:
         """Host seconds of the step's work beyond running the model: making the plan, taking
         host memory, reading the allocator (mostly the first step's)."""
-        return (self.capture_seconds + self.planning_seconds + self.host_check_seconds
-                + self.host_memory_seconds + self.calibration_seconds)
+        return (self.capture_seconds + self.machine_seconds + self.planning_seconds
+                + self.host_check_seconds + self.host_memory_seconds + self.calibration_seconds)
 
     def as_dict(self) -> dict:
         return asdict(self)
