@@ -29,6 +29,21 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _machine_rates_cache(tmp_path_factory):
+    """The device's measured rates go to a folder of the test session, not the user's cache
+    (runtime/machine.py)."""
+    import os
+    from superneurons.runtime.machine import CACHE_DIR
+    before = os.environ.get(CACHE_DIR)
+    os.environ[CACHE_DIR] = str(tmp_path_factory.mktemp("machine_rates"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_DIR, None)
+    else:
+        os.environ[CACHE_DIR] = before
+
+
 def pytest_configure(config):
     # one intra-op thread per xdist worker: the README runs 2 workers on 2 cores, and each
     # worker's default of one thread per core made 4 threads fight over 2

@@ -1,13 +1,8 @@
 """How much more device memory a CUDA step really uses than its plan says (executor Rule 4).
 
 The plan counts tensors; the device also holds the allocator's rounding and cuDNN's workspaces.
-The first steps of a plan read the allocator at layer boundaries and learn the excess at each;
-later steps leave, at each step, the excess seen there beside the pool (at a step not read, the
-larger of the readings around it), and SLACK_SHARE of the budget everywhere. Per step, not the
-largest at every step: the excess sits where the plan's count misses a tensor, and where the pool
-is fullest it was often none. ResNet-50 (batch 192, fp32, budget 11.7 GiB) showed 0.29 GiB in the
-backward of its first stage and 0 where the pool held most; left at every step, that 0.29 made
-the pool move 0.57 GiB each way a step (benchmarks/results/diagnose_excess_resnet50_fp32_0.75.json).
+The first steps of a plan read the allocator at layer boundaries and learn the largest excess;
+later steps leave that much room beside the pool at every step.
 
 Only boundaries are read. The allocator's high-water mark between readings also sees autograd's
 kernels, but mostly it sees cuDNN's workspaces, which take what the memory cap leaves and
@@ -40,88 +35,34 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
-class RangeMax:
-    """max(values[first..last]) in O(1) after O(n log n) set-up (a sparse table): the pool asks
-    for it for every tensor it considers prefetching, on networks of thousands of steps."""
-
-    def __init__(self, values: list):
-        self.levels = [list(values)]
-        width = 1
-        while 2 * width <= len(values):
-            previous = self.levels[-1]
-            self.levels.append([max(previous[i], previous[i + width])
-                                for i in range(len(previous) - width)])
-            width *= 2
-
-    def __call__(self, first: int, last: int) -> int:
-        level = (last - first + 1).bit_length() - 1
-        table = self.levels[level]
-        return max(table[first], table[last - (1 << level) + 1])
-
-
 class Calibration:
-    """``planned``: the plan's bytes outside the pool at each timeline step."""
-
-    def __init__(self, device: torch.device, budget_bytes: int, planned: list):
+    def __init__(self, device: torch.device, budget_bytes: int):
         self.device = device
         self.slack = int(budget_bytes * SLACK_SHARE)
-        self.planned = list(planned)
-        self.planned_max = RangeMax(self.planned)
-        self.real_max = None        # once calibrated: RangeMax of planned + excess, per step
-        self.seen = {}              # timeline step -> the largest excess read there
+        self.excess_bytes = None    # what every step adds to the plan, once calibrated
+        self.seen_excess = None     # the largest excess the readings found
+        self.seen_at = None         # the timeline step of that reading, where it is above 0
         self.left = CALIBRATION_STEPS
         self.active = False
         self.seconds = 0.0          # host time spent reading (StepStats)
 
-    @property
-    def seen_excess(self):
-        """The largest excess the readings found (None before any reading)."""
-        return max(self.seen.values()) if self.seen else None
-
-    @property
-    def seen_at(self):
-        """The timeline step of the largest excess, where it is above 0."""
-        largest = self.seen_excess
-        return next(s for s, e in self.seen.items() if e == largest) if largest else None
-
-    @property
-    def excess_bytes(self):
-        """The most any calibrated step leaves beside the pool (None before calibration)."""
-        return None if self.real_max is None else max(self._excess_per_step()) + self.slack
-
     def begin_step(self) -> bool:
         """Whether this step reads the allocator; the excess seen so far applies from now."""
-        if self.seen:
-            self.real_max = RangeMax([p + e for p, e in
-                                      zip(self.planned, self._excess_per_step())])
+        if self.seen_excess is not None:
+            self.excess_bytes = self.seen_excess + self.slack
         self.active = self.left > 0
         self.left = max(0, self.left - 1)
         return self.active
-
-    def _excess_per_step(self) -> list:
-        """The excess seen at each step; at a step not read, the larger of the nearest
-        readings before and after it."""
-        read = sorted(self.seen)
-        result, index = [], 0
-        for step in range(len(self.planned)):
-            while index < len(read) and read[index] < step:
-                index += 1
-            if index < len(read) and read[index] == step:
-                result.append(self.seen[step])
-                continue
-            around = [self.seen[read[i]] for i in (index - 1, index) if 0 <= i < len(read)]
-            result.append(max(around, default=0))
-        return result
 
     def again(self) -> None:
         """An out-of-memory retry: the next steps read the allocator again."""
         self.left = CALIBRATION_STEPS
 
-    def outside(self, step: int, until: int) -> int:
-        """Real use outside the pool from timeline ``step`` to ``until``, at its most."""
-        if self.real_max is None:
-            return int(FIRST_STEP_MARGIN * self.planned_max(step, until))
-        return self.real_max(step, until) + self.slack
+    def outside(self, planned: int) -> int:
+        """Real use outside the pool where the plan says ``planned``."""
+        if self.excess_bytes is None:
+            return int(FIRST_STEP_MARGIN * planned)
+        return planned + self.excess_bytes
 
     def read(self) -> int:
         """What the allocator holds now."""
@@ -133,7 +74,9 @@ class Calibration:
 
     def observe(self, step: int, others: int, planned: int, pool: int) -> None:
         """One reading at timeline ``step``'s boundary: ``others``, the user's bytes (optimizer
-        state, their tensors); ``planned``, the plan's bytes outside the pool there (awaiting
-        pool storages included); ``pool``, what the pool holds."""
+        state, their tensors); ``planned``, the plan's bytes outside the pool there; ``pool``,
+        what the pool holds."""
         excess = max(0, self.read() - others - pool - planned)
-        self.seen[step] = max(excess, self.seen.get(step, 0))
+        if self.seen_excess is None or excess > self.seen_excess:
+            self.seen_excess = excess
+            self.seen_at = step if excess else None

@@ -12,12 +12,13 @@ Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan
         rounding, cuDNN workspaces). The first steps read the allocator at every layer, count
         what is really allocated when that is more than the plan says (the pool's entries and
         the planned pool tensors no layer has saved yet are the plan's), and calibrate the
-        excess per step, in bytes (calibration.py; a ratio would scale a workspace measured
-        beside a small step up to every large one: 3.3x once, budget_margin.json). Later steps
-        trust the calibration (a reading costs host time comparable to a small layer's kernels:
-        profile_before.json), until an out-of-memory retry calls for calibrating again. Before
-        the first calibration, and always where the allocator keeps no statistics (no caching
-        allocator), real use is taken as FIRST_STEP_MARGIN times the plan.
+        excess: the largest seen, in bytes, is added at every step (calibration.py; a ratio
+        would scale a workspace measured beside a small step up to every large one: 3.3x once,
+        budget_margin.json). Later steps trust the calibration (a reading costs host time
+        comparable to a small layer's kernels: profile_before.json), until an out-of-memory
+        retry calls for calibrating again. Before the first calibration, and always where the
+        allocator keeps no statistics (no caching allocator), real use is taken as
+        FIRST_STEP_MARGIN times the plan.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels
@@ -50,7 +51,7 @@ from torch.utils import _pytree as pytree
 from ..planner import Action, Policy
 from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
-from .calibration import Calibration, RangeMax, allocated_bytes
+from .calibration import Calibration, allocated_bytes
 from .pool import TensorPool
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
@@ -81,6 +82,25 @@ def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None,
     return max(0, allocated_bytes(device) - known)
 
 
+class _RangeMax:
+    """max(values[first..last]) in O(1) after O(n log n) set-up (a sparse table): the pool asks
+    it for every tensor it considers prefetching, on networks of thousands of steps."""
+
+    def __init__(self, values: list):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            previous = self.levels[-1]
+            self.levels.append([max(previous[i], previous[i + width])
+                                for i in range(len(previous) - width)])
+            width *= 2
+
+    def __call__(self, first: int, last: int) -> int:
+        level = (last - first + 1).bit_length() - 1
+        table = self.levels[level]
+        return max(table[first], table[last - (1 << level) + 1])
+
+
 def _has_path(obj, dotted: str) -> bool:
     try:
         operator.attrgetter(dotted)(obj)
@@ -101,6 +121,7 @@ class Executor:
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
         self.foreign_bytes = 0
+        self.calibration = Calibration(device, budget_bytes)                 # Rule 4
         self.calibrating = False
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
@@ -128,8 +149,7 @@ class Executor:
                 self.pool_storages_of[layer.node] = tuple((s, managed[s]) for s in held)
         self.holders: dict = {}            # storage -> nodes of the environment holding it
         self.awaiting: dict = {}           # storage -> bytes, made for the pool, not entries yet
-        self.unmanaged_max = RangeMax(self.unmanaged)
-        self.calibration = Calibration(device, budget_bytes, self.unmanaged)    # Rule 4
+        self.unmanaged_max = _RangeMax(self.unmanaged)
         self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until))
@@ -209,7 +229,7 @@ class Executor:
         until = step if until is None else min(max(until, step), last_step)
         outside = self.unmanaged_max(step, until)
         if self.device.type == "cuda":
-            outside = self.calibration.outside(step, until)
+            outside = self.calibration.outside(outside)
             if self.calibrating:
                 ours = self.calibration.read() - self.pool.exact_device_bytes - \
                     self._awaiting_bytes()
