@@ -1,0 +1,112 @@
+"""Where a capped step's time goes, as ratio.py runs it: kernel time on the device against the
+step's wall time (what the device waits for the host), kernels grouped by kind, and the host's
+waits on the device.
+
+    python benchmarks/profile_ratio.py OUT_DIR MODEL:DTYPE:RATIO[:SYSTEM] [...]
+
+SYSTEM is superneurons (default) or plain (uncapped, RATIO ignored). The cap is RATIO of the
+plain peak in results/ratio_MODEL_DTYPE.json. Each config runs in a fresh process: 4 steps, then
+2 profiled; writes OUT_DIR/profile_ratio.json.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARM, PROFILED = 4, 2
+KINDS = (("conv", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "xmma", "sm90_xmma")),
+         ("batch_norm", ("batch_norm", "bn_", "welford")),
+         ("gemm", ("gemm", "cutlass", "nvjet")),
+         ("copy", ("copy", "memcpy", "cat")),
+         ("elementwise", ("elementwise", "vectorized", "threshold", "reduce", "fill")))
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+         "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaHostAlloc", "cudaFreeHost")
+
+
+def _kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
+
+
+def child(name: str, dtype: str, ratio: float, system: str) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import superneurons as sn
+    from common import torch_settings
+    from diagnose_excess import _plain_peak
+    from ratio import CAP_HEADROOM, build
+    torch_settings()
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model, args, kwargs, loss_of = build(name, system, device)
+    run = model
+    if system == "superneurons":
+        cap = int(_plain_peak(name, dtype) * ratio)
+        torch.cuda.set_per_process_memory_fraction(
+            cap / torch.cuda.get_device_properties(device).total_memory, device)
+        run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_of(run(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(WARM):
+        step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        began = time.perf_counter()
+        for _ in range(PROFILED):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - began) / PROFILED
+    kernels, waits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    for event in profiler.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0)
+        if event.device_type == torch.autograd.DeviceType.CUDA or \
+                (device_us > 0 and event.self_cpu_time_total == 0):
+            kernels[_kind(event.key)] += device_us / 1e6 / PROFILED
+            counts[_kind(event.key)] += event.count
+        elif event.key in WAITS:
+            waits[event.key] += event.cpu_time_total / 1e6 / PROFILED
+    busy = sum(kernels.values())
+    row = {"config": f"{name}:{dtype}:{ratio}:{system}", "wall_s": wall, "kernel_s": busy,
+           "device_idle_share": max(0.0, 1 - busy / wall), "kernel_s_by_kind": dict(kernels),
+           "kernels_by_kind": {k: v // PROFILED for k, v in counts.items()},
+           "host_waits_s": dict(waits)}
+    if system == "superneurons" and run.stats is not None:
+        row["stats"] = run.stats.as_dict()
+    return row
+
+
+def main():
+    if sys.argv[1] == "--child":
+        name, dtype, ratio, system = sys.argv[2:6]
+        print(json.dumps(child(name, dtype, float(ratio), system)))
+        return
+    sys.path.insert(0, HERE)
+    from common import write
+    rows = []
+    for config in sys.argv[2:]:
+        name, dtype, ratio, *system = config.split(":")
+        done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio,
+                               (system or ["superneurons"])[0]],
+                              cwd=HERE, capture_output=True, text=True, timeout=300)
+        lines = done.stdout.strip().splitlines()
+        rows.append(json.loads(lines[-1]) if done.returncode == 0 and lines else
+                    {"config": config, "error": done.stderr[-1500:]})
+        print(json.dumps(rows[-1])[:400], flush=True)
+        write(os.path.join(sys.argv[1], "profile_ratio.json"), {"rows": rows}, quiet=True)
+
+
+if __name__ == "__main__":
+    main()
