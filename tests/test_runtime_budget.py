@@ -213,21 +213,24 @@ class _SlowCopies:
         self.events.append(event)
         return event
 
+    def reuse_after(self, event):
+        event.ordered = True            # the compute stream waits: the host does not
+
 
 class _Event:
     def __init__(self):
-        self.done = self.waited = False
+        self.done = self.ordered = False
 
     def query(self):
         return self.done
 
     def synchronize(self):
-        self.waited = self.done = True
+        raise AssertionError("the host waited for a copy")
 
 
 def test_offloads_in_flight_hold_their_bytes_until_copied():
-    """Pool Rule 4: device bytes count until the copy is done; over budget, the oldest is
-    waited for."""
+    """Pool Rule 4: device bytes count until the copy is done; over budget, the oldest are
+    freed behind a wait of the compute stream for their copies, and the host goes on."""
     room = {"bytes": 10_000}
     pool = TensorPool(torch.device("cpu"), lambda step, until=None: room["bytes"])
     pool.mover = _SlowCopies()
@@ -236,17 +239,70 @@ def test_offloads_in_flight_hold_their_bytes_until_copied():
     room["bytes"] = 6000
     pool.make_room(step=1, forward=True)           # a leaves; its copy is in flight
     first = pool.mover.events[0]
-    assert a.state is State.TO_HOST and first.waited and pool.device_bytes == 4000
+    assert a.state is State.TO_HOST and first.ordered and pool.device_bytes == 4000
     pool.add("c", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
     room["bytes"] = 10_000
     pool.make_room(step=2, forward=True)           # fits: b stays, nothing waited for
     assert pool.device_bytes == 8000 and len(pool.mover.events) == 1
     room["bytes"] = 5000
-    pool.make_room(step=3, forward=True)           # b leaves and is waited for: over budget
-    assert pool.mover.events[1].waited and pool.device_bytes == 4000
+    pool.make_room(step=3, forward=True)           # b leaves, freed behind its copy
+    assert pool.mover.events[1].ordered and pool.device_bytes == 4000
     room["bytes"] = 0
     pool.make_room(step=4, forward=True)           # c leaves; its copy not done and room 0
-    assert pool.mover.events[2].waited and pool.device_bytes == 0
+    assert pool.mover.events[2].ordered and pool.device_bytes == 0
+
+
+def test_copies_start_ahead_of_the_room_that_needs_them():
+    """Pool Rule 6: offload_early starts copies of the least recently used entries free to
+    leave, without waiting; the room made later frees those done, without waiting either."""
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: 100_000)
+    pool.mover = _SlowCopies()
+    a = pool.add("a", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    b = pool.add("b", torch.zeros(4000, dtype=torch.uint8), last_forward_step=3)
+    c = pool.add("c", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    pool.offload_early(step=1, nbytes=5000, by_step=2)   # a, then c (b still read in forward)
+    assert a.state is c.state is State.TO_HOST and b.state is State.ON_DEVICE
+    assert pool.device_bytes == 12_000 and not any(e.ordered for e in pool.mover.events)
+    pool.offload_early(step=1, nbytes=8000, by_step=2)   # already in flight: nothing more
+    assert len(pool.mover.events) == 2
+    for event in pool.mover.events:
+        event.done = True
+    pool.make_room(step=2, forward=True)
+    assert pool.device_bytes == 4000 and not any(e.ordered for e in pool.mover.events)
+
+
+def test_forward_starts_offloads_ahead_and_trains_exactly(monkeypatch):
+    """Executor Rule 8: the same bytes leave as when the room is made only at the step that
+    needs it, some of them layers earlier, and training is plain PyTorch's."""
+    from superneurons.runtime import executor as executor_module
+    budget = floor("superneurons")
+    started = {}
+    for lookahead in (0, executor_module.OFFLOAD_LOOKAHEAD_LAYERS):
+        monkeypatch.setattr(executor_module, "OFFLOAD_LOOKAHEAD_LAYERS", lookahead)
+        wrapped = sn.wrap(small_resnet(), policy="superneurons", budget=budget)
+        plan, executor = wrapped.plan_for(X)
+        steps, offload = [], executor.pool._offload
+
+        def counted(entry, offload=offload, executor=executor, steps=steps):
+            if executor.backward_step is None:                        # in forward
+                steps.append((entry.key[1], executor.layer.index))
+            return offload(entry)
+        executor.pool._offload = counted
+        assert_same_training(small_resnet(), X, Y, steps=1, policy="superneurons",
+                             budget=budget)          # exact with the same budget and rule
+        F.nll_loss(wrapped(X), Y).backward()
+        started[lookahead] = (steps, wrapped.stats.offloaded_bytes)
+    (late, late_bytes), (early, early_bytes) = \
+        started[0], started[executor_module.OFFLOAD_LOOKAHEAD_LAYERS]
+    assert late and early_bytes == late_bytes                     # the same copies
+    position = {layer: p for p, layer in enumerate(plan.order)}
+    when_late, when_early = {}, {}                                # each storage's first
+    for steps, when in ((late, when_late), (early, when_early)):
+        for storage, layer in steps:
+            when.setdefault(storage, position[layer])
+    assert when_early.keys() == when_late.keys()
+    assert all(when_early[k] <= when_late[k] for k in when_late)
+    assert any(when_early[k] < when_late[k] for k in when_late)
 
 
 def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():

@@ -112,6 +112,10 @@ class Plan:
         managed, _ = live_per_step([b for b in self.buffers if b.managed], len(self.steps))
         return [step.live_bytes - moved for step, moved in zip(self.steps, managed)]
 
+    def managed_live_per_step(self) -> list:
+        """Per step, the live bytes of Tensor Pool buffers, were none of them moved."""
+        return live_per_step([b for b in self.buffers if b.managed], len(self.steps))[0]
+
     def managed_created_per_step(self) -> list:
         """Per step, the bytes of Tensor Pool buffers that step creates: the room the pool must
         have left before it runs."""

@@ -36,6 +36,10 @@ Rule 7: a saved tensor written in place after it was saved is refused when backw
         as autograd refuses it where no hooks are set (with them it does not check): whether
         kept, moved or replayed, the step would otherwise read other values than plain
         PyTorch's, or refuse nothing where it refuses.
+Rule 8: in forward, after the room for the next layer is made, the copies that the room of the
+        layers after it will need are started now (pool Rule 6), as far ahead as their bytes
+        take to cross the link at the plan's layer times (costs.work, on the measured machine):
+        made at the step that needs it, that room waited for its copies, and the device idled.
 """
 
 import logging
@@ -59,6 +63,9 @@ from .state import StateRef, StateTier
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
+# Rule 8 looks at most this many layers ahead: a bound on the host time it adds to every layer
+# of a network of thousands, not a tuned value (copies needing more lead than that start late)
+OFFLOAD_LOOKAHEAD_LAYERS = 64
 
 
 def allocator_counts(inputs: list) -> bool:
@@ -101,6 +108,25 @@ class _RangeMax:
         return max(table[first], table[last - (1 << level) + 1])
 
 
+def _getter(owner, dotted: str):
+    """A function reading ``owner``'s attribute at the dotted path now: parameters and buffers
+    from their module's own tables (nn.Module.__getattr__ walks them per call, at every
+    level)."""
+    path, _, name = dotted.rpartition(".")
+    parent = operator.attrgetter(path)(owner) if path else owner
+    if not isinstance(parent, torch.nn.Module):
+        return lambda: getattr(parent, name)
+    parameters, buffers = parent._parameters, parent._buffers
+
+    def read():
+        if name in parameters:
+            return parameters[name]
+        if name in buffers:
+            return buffers[name]
+        return getattr(parent, name)
+    return read
+
+
 def _has_path(obj, dotted: str) -> bool:
     try:
         operator.attrgetter(dotted)(obj)
@@ -136,6 +162,12 @@ class Executor:
         self._replay_liveness(graph)
         self.unmanaged = plan.unmanaged_per_step()
         self.pool_created = plan.managed_created_per_step()
+        self.pool_live = plan.managed_live_per_step()                         # Rule 8
+        self.rooms_ahead = None      # Rule 8: (key, per step the room less the pool's planned
+        # growth, their range minimum), made again when the key changes
+        self.work_before = [0.0]     # Rule 8: the plan's seconds of the route's first k layers
+        for layer in plan.order:
+            self.work_before.append(self.work_before[-1] + plan.costs.work[layer])
         # planned pool storages a layer's outputs hold: on the device from that layer on, but
         # an entry only once a layer saves them (an output the next layer saves, a branch's
         # output the join saves): until then the pool's room and the calibration count them
@@ -196,6 +228,10 @@ class Executor:
         # regions); decided once, not by an exception per node and step
         self.state_owner = {node: self.model if _has_path(self.model, node.target) else self.gm
                             for node in self.attrs}
+        # read through the owning submodule, found once: the user may replace a tensor (its
+        # owner's attribute), not the submodule, which the captured graph holds too
+        self.state_getter = {node: _getter(self.state_owner[node], node.target)
+                             for node in self.attrs}
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
 
     def _replay_liveness(self, graph) -> None:
@@ -242,6 +278,48 @@ class Executor:
         following = min(position + 1, len(self.pool_created) - 1)
         return self.allowance(position, following) - self.pool_created[following] - \
             self._awaiting_bytes()
+
+    def _offload_ahead(self, position: int) -> None:
+        """Rule 8: after forward step ``position``, start the copies that a step from
+        ``position + 2`` on needs to have left, where they would take longer to cross the link
+        than the layers before that step: started later, they would be late. Until then the
+        pool grows as the plan's pool buffers do, were none moved."""
+        pool = self.pool
+        if not pool.device_bytes:
+            return
+        last = min(self.num_layers, position + 2 + OFFLOAD_LOOKAHEAD_LAYERS) - 1
+        if last < position + 2:
+            return
+        key = (self.calibration.excess_bytes, self.foreign_bytes)
+        if self.rooms_ahead is None or self.rooms_ahead[0] != key:
+            rooms = self._rooms_ahead()         # again when the calibration or others change
+            self.rooms_ahead = (key, rooms, _RangeMax([-room for room in rooms]))
+        _, rooms, tightest = self.rooms_ahead
+        held = pool.device_bytes + self._awaiting_bytes() - self.pool_live[position]
+        if held + tightest(position + 2, last) <= 0:
+            return                                       # nothing ahead needs room
+        link = self.plan.costs.machine.link_bytes_per_s
+        started = self.work_before[position + 1]
+        need, by_step = 0, None
+        for ahead in range(position + 2, last + 1):
+            leaving = held - rooms[ahead]
+            if leaving > need and leaving > (self.work_before[ahead] - started) * link:
+                need, by_step = leaving, ahead           # later, the copies would be late
+        if need > 0:
+            pool.offload_early(position + 1, need, by_step)
+
+    def _rooms_ahead(self) -> list:
+        """Per forward step a: the room _room_for_next(a - 1) will give, less the pool's
+        planned bytes by then (its growth is added back from where the pool is)."""
+        rooms = [0]
+        for ahead in range(1, self.num_layers):
+            outside = self.unmanaged_max(ahead - 1, ahead)
+            if self.device.type == "cuda":
+                outside = self.calibration.outside(outside)
+            room = self.budget_bytes - outside - \
+                (self.foreign_bytes if self.count_foreign else 0)
+            rooms.append(room - self.pool_live[ahead - 1] - self.pool_created[ahead])
+        return rooms
 
     def _env_holds(self, node) -> None:
         for storage, nbytes in self.pool_storages_of.get(node, ()):
@@ -345,6 +423,7 @@ class Executor:
                 # room for the next layer: what only this layer read may leave now
                 self.pool.make_room(position + 1, forward=True,
                                     limit=self._room_for_next(position))
+                self._offload_ahead(position)                               # Rule 8
                 self._account(position)
         self.layer = self.segment = None
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
@@ -511,7 +590,7 @@ class Executor:
 
     def _state(self, node: fx.Node):
         """A get_attr node's object, read from its owner now (state_owner)."""
-        return operator.attrgetter(node.target)(self.state_owner[node])
+        return self.state_getter[node]()
 
     def _named_state(self, name: str) -> torch.Tensor:
         """The state tensor the plan names (planner/state.py), read now as _state reads: the

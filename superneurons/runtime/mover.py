@@ -8,6 +8,10 @@ Rule 2: a prefetch allocates from the compute stream's memory, where the tensor 
         (the allocator keeps memory per stream: blocks freed on the copy stream would be stranded
         there), waits for the compute queued before it (that memory may have just been freed by
         it) and for the offload of the same bytes; its user waits on the prefetch's event.
+Rule 3: the device bytes of an offload still in flight may be freed at once if the compute stream
+        first waits for its event: the allocator hands them only to what that stream (and a
+        prefetch, which waits for that stream: Rule 2) runs after the copy. The host goes on
+        queueing layers instead of waiting for the copy, and the device runs them when it ends.
 On the CPU the same calls copy synchronously, so the pool's logic runs and is tested anywhere.
 """
 
@@ -49,6 +53,10 @@ class Mover:
             event.record(self.h2d)
         device_bytes.record_stream(self.h2d)    # freed unread (released early): wait for the copy
         return device_bytes, event
+
+    def reuse_after(self, event) -> None:
+        """Let the device bytes an offload reads be freed now (Rule 3)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def ready(self, device_bytes: torch.Tensor, event) -> None:
         """Make the compute stream wait for a prefetch before it reads ``device_bytes``."""

@@ -5,8 +5,9 @@ tensor read by many layers (DenseNet's features) moves once. An entry is ON_DEVI
 (offload in flight), ON_HOST, or TO_DEVICE (prefetch in flight); dropped tensors are not
 entries (recomputation owns them).
 
-Rule 1: a tensor leaves the device only when the budget needs the room, least recently used
-        first; tensors still to be read in forward, or read by the layer now running, are locked.
+Rule 1: a tensor leaves the device only when the budget needs the room (now, or soon: Rule 6),
+        least recently used first; tensors still to be read in forward, or read by the layer
+        now running, are locked.
 Rule 2: in backward, tensors come back ahead of need, in the order the route will read them, as
         far as the budget has room; a tensor needed now and not there is a cache miss.
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
@@ -15,13 +16,17 @@ Rule 3: the room the pool may use at a step is the budget less what the plan say
         pool can act again, and leaves out the planned pool tensors no layer has saved yet
         (they become entries when one does: the executor counts them).
 Rule 4: an entry whose offload is in flight still holds its device bytes (mover Rule 1): the pool
-        counts them until the copy has finished, and waits for the oldest copies when the budget
-        needs their room now.
+        counts them until the copy has finished; when the budget needs their room now, the
+        oldest are freed behind a wait of the compute stream for their copies (mover Rule 3),
+        not a wait of the host.
 Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page: a tensor the
         pool frees between live ones leaves partly used pages that stay mapped: with hundreds of
         entries live, 0.7-1.0 GiB of such slivers at Inception-v4's stem left autograd's own
         kernels, which nothing can retry, out of memory within the budget (benchmarks/results/
         diagnose_inception_v4_1_before.json; the executor's first-step margin did the rest).
+Rule 6: in forward the executor starts, after each layer, the copies that the room of the
+        layers ahead will need (executor Rule 8): they run while those layers compute, and the
+        room is then made by freeing copies already done.
 """
 
 import enum
@@ -117,15 +122,34 @@ class TensorPool:
             in_flight += self._offload(entry)
         self._drain(limit)
 
+    def offload_early(self, step: int, nbytes: int, by_step: int) -> None:
+        """Rule 6: of the least recently used entries that make_room at ``by_step`` would send
+        away to have ``nbytes`` leave (copies in flight count), start copying those free to
+        leave at ``step``; make_room frees them when done, without waiting. Those still read
+        in forward before ``by_step`` go then, as make_room picks them."""
+        self._drain(limit=None)
+        in_flight = sum(footprint for *_, footprint in self.draining)
+        for key in list(self.lru):
+            if in_flight >= nbytes:
+                break
+            entry = self.lru[key]
+            if entry.last_forward_step >= by_step:
+                continue                         # not make_room's at by_step either
+            if key in self.locked or entry.last_forward_step >= step:
+                in_flight += entry.footprint     # it leaves then; it counts as leaving
+                continue
+            before = self.device_bytes
+            in_flight += self._offload(entry) + before - self.device_bytes
+
     def _drain(self, limit: int | None) -> None:
-        """Rule 4: free the device bytes of finished offloads; with a ``limit``, wait for the
-        oldest ones until the pool fits under it."""
+        """Rule 4: free the device bytes of finished offloads; with a ``limit``, free the oldest
+        ones in flight, behind their copies, until the pool fits under it."""
         while self.draining:
             event, tensor, footprint = self.draining[0]
             if not event.query():
                 if limit is None or self.device_bytes <= limit:
                     return
-                event.synchronize()
+                self.mover.reuse_after(event)
             self.draining.popleft()
             self._hold(-footprint, -tensor.numel())
 
