@@ -143,7 +143,7 @@ def test_a_layer_retried_after_its_allocation_failed_trains_exactly(monkeypatch)
 
 
 def test_range_max_agrees_with_max():
-    from superneurons.runtime.executor import _RangeMax
+    from superneurons.runtime.room import RangeMax as _RangeMax
     values = [(i * 7919) % 101 for i in range(300)]
     table = _RangeMax(values)
     for first in range(0, 300, 7):
@@ -274,11 +274,11 @@ def test_copies_start_ahead_of_the_room_that_needs_them():
 def test_forward_starts_offloads_ahead_and_trains_exactly(monkeypatch):
     """Executor Rule 8: the same bytes leave as when the room is made only at the step that
     needs it, some of them layers earlier, and training is plain PyTorch's."""
-    from superneurons.runtime import executor as executor_module
+    from superneurons.runtime import room
     budget = floor("superneurons")
     started = {}
-    for lookahead in (0, executor_module.OFFLOAD_LOOKAHEAD_LAYERS):
-        monkeypatch.setattr(executor_module, "OFFLOAD_LOOKAHEAD_LAYERS", lookahead)
+    for lookahead in (0, room.OFFLOAD_LOOKAHEAD_LAYERS):
+        monkeypatch.setattr(room, "OFFLOAD_LOOKAHEAD_LAYERS", lookahead)
         wrapped = sn.wrap(small_resnet(), policy="superneurons", budget=budget)
         plan, executor = wrapped.plan_for(X)
         steps, offload = [], executor.pool._offload
@@ -293,7 +293,7 @@ def test_forward_starts_offloads_ahead_and_trains_exactly(monkeypatch):
         F.nll_loss(wrapped(X), Y).backward()
         started[lookahead] = (steps, wrapped.stats.offloaded_bytes)
     (late, late_bytes), (early, early_bytes) = \
-        started[0], started[executor_module.OFFLOAD_LOOKAHEAD_LAYERS]
+        started[0], started[room.OFFLOAD_LOOKAHEAD_LAYERS]
     assert late and early_bytes == late_bytes                     # the same copies
     position = {layer: p for p, layer in enumerate(plan.order)}
     when_late, when_early = {}, {}                                # each storage's first
@@ -411,13 +411,13 @@ def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):
 def test_without_allocator_statistics_the_runtime_keeps_its_own_accounting(monkeypatch):
     """With PYTORCH_NO_CUDA_MEMORY_CACHING=1 the allocator's statistics read zero: the runtime
     must notice (the input itself is not counted) rather than trust readings of nothing."""
-    from superneurons.runtime import executor
+    from superneurons.runtime import room
     x = torch.randn(4, 4)
-    monkeypatch.setattr(executor, "allocated_bytes", lambda device: 0)
-    assert not executor.allocator_counts(x)
-    monkeypatch.setattr(executor, "allocated_bytes", lambda device: 64 + 1000)
-    assert executor.allocator_counts(x)
-    assert executor.allocator_counts(torch.empty(0))          # nothing to tell by: trust it
+    monkeypatch.setattr(room, "allocated_bytes", lambda device: 0)
+    assert not room.allocator_counts(x)
+    monkeypatch.setattr(room, "allocated_bytes", lambda device: 64 + 1000)
+    assert room.allocator_counts(x)
+    assert room.allocator_counts(torch.empty(0))          # nothing to tell by: trust it
 
 
 def test_the_backward_step_of_a_layer_with_scratch_is_entered(monkeypatch):

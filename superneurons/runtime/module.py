@@ -59,7 +59,8 @@ from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
-from .executor import Executor, foreign_bytes
+from .executor import Executor
+from .room import foreign_bytes
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
 from .state import check_state_tier, to_host_memory

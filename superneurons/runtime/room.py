@@ -1,0 +1,161 @@
+"""The pool's room at each step of a plan (executor Rules 4 and 8, pool Rule 3): the budget
+less the plan's bytes outside the pool, the calibrated excess of real use over the plan and the
+device memory the model does not own; and, in forward, the copies the room of the layers ahead
+will need, started early. A part of the Executor (it reads the executor's plan, pool and
+calibration); the executor runs the layers."""
+
+import torch
+
+from .calibration import allocated_bytes
+
+# executor Rule 8 looks at most this many layers ahead: a bound on the host time it adds to every layer
+# of a network of thousands, not a tuned value (copies needing more lead than that start late)
+OFFLOAD_LOOKAHEAD_LAYERS = 64
+
+
+def allocator_counts(inputs: list) -> bool:
+    """Whether the allocator's statistics count the step's ``inputs``: without the caching
+    allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1) they read zero, and the runtime then keeps its
+    own accounting, as on the CPU, with the first-step margin at every step (Rule 4)."""
+    nbytes = sum(x.numel() * x.element_size() for x in inputs)
+    return nbytes == 0 or allocated_bytes(inputs[0].device) >= nbytes
+
+
+def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None,
+                  state_on_device: bool = True) -> int:
+    """Device memory the plan does not know of: optimizer state, the user's other tensors.
+    ``inputs``: the step's input tensors (the plan counts them); model state counts where it
+    lives on the device."""
+    parameters = graph.graph_module.parameters() if parameters is None else parameters
+    known = sum(x.numel() * x.element_size() for x in inputs)
+    if state_on_device:
+        known += graph.param_bytes + graph.buffer_bytes + sum(
+            p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
+    return max(0, allocated_bytes(device) - known)
+
+
+class RangeMax:
+    """max(values[first..last]) in O(1) after O(n log n) set-up (a sparse table): the pool asks
+    it for every tensor it considers prefetching, on networks of thousands of steps."""
+
+    def __init__(self, values: list):
+        self.levels = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            previous = self.levels[-1]
+            self.levels.append([max(previous[i], previous[i + width])
+                                for i in range(len(previous) - width)])
+            width *= 2
+
+    def __call__(self, first: int, last: int) -> int:
+        level = (last - first + 1).bit_length() - 1
+        table = self.levels[level]
+        return max(table[first], table[last - (1 << level) + 1])
+
+
+class RoomKeeping:
+    """The Executor's accounting of the pool's room (see the module's docstring)."""
+
+    def allowance(self, step: int, until: int | None = None) -> int:
+        """The pool's room from ``step`` to ``until``: the budget less the rest of the step
+        (pool Rule 3)."""
+        last_step = len(self.unmanaged) - 1
+        step = min(max(step, 0), last_step)
+        until = step if until is None else min(max(until, step), last_step)
+        outside = self.unmanaged_max(step, until)
+        if self.device.type == "cuda":
+            outside = self.calibration.outside(outside)
+            if self.calibrating:
+                ours = self.calibration.read() - self.pool.exact_device_bytes - \
+                    self._awaiting_bytes()
+                outside = max(outside, ours - self.foreign_bytes)
+        return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
+
+    def _room_for_next(self, position: int) -> int:
+        """The pool's room after forward step ``position``: the next layer allocates before the
+        pool can act again, so what it adds outside the pool and into it is left free now."""
+        following = min(position + 1, len(self.pool_created) - 1)
+        return self.allowance(position, following) - self.pool_created[following] - \
+            self._awaiting_bytes()
+
+    def _offload_ahead(self, position: int) -> None:
+        """Rule 8: after forward step ``position``, start the copies that a step from
+        ``position + 2`` on needs to have left, where they would take longer to cross the link
+        than the layers before that step: started later, they would be late. Until then the
+        pool grows as the plan's pool buffers do, were none moved."""
+        pool = self.pool
+        if not pool.device_bytes:
+            return
+        last = min(self.num_layers, position + 2 + OFFLOAD_LOOKAHEAD_LAYERS) - 1
+        if last < position + 2:
+            return
+        key = (self.calibration.excess_bytes, self.foreign_bytes)
+        if self.rooms_ahead is None or self.rooms_ahead[0] != key:
+            rooms = self._rooms_ahead()         # again when the calibration or others change
+            self.rooms_ahead = (key, rooms, RangeMax([-room for room in rooms]))
+        _, rooms, tightest = self.rooms_ahead
+        held = pool.device_bytes + self._awaiting_bytes() - self.pool_live[position]
+        if held + tightest(position + 2, last) <= 0:
+            return                                       # nothing ahead needs room
+        link = self.plan.costs.machine.link_bytes_per_s
+        started = self.work_before[position + 1]
+        need, by_step = 0, None
+        for ahead in range(position + 2, last + 1):
+            leaving = held - rooms[ahead]
+            if leaving > need and leaving > (self.work_before[ahead] - started) * link:
+                need, by_step = leaving, ahead           # later, the copies would be late
+        if need > 0:
+            pool.offload_early(position + 1, need, by_step)
+
+    def _rooms_ahead(self) -> list:
+        """Per forward step a: the room _room_for_next(a - 1) will give, less the pool's
+        planned bytes by then (its growth is added back from where the pool is)."""
+        rooms = [0]
+        for ahead in range(1, self.num_layers):
+            outside = self.unmanaged_max(ahead - 1, ahead)
+            if self.device.type == "cuda":
+                outside = self.calibration.outside(outside)
+            room = self.budget_bytes - outside - \
+                (self.foreign_bytes if self.count_foreign else 0)
+            rooms.append(room - self.pool_live[ahead - 1] - self.pool_created[ahead])
+        return rooms
+
+    def _env_holds(self, node) -> None:
+        for storage, nbytes in self.pool_storages_of.get(node, ()):
+            self.holders[storage] = self.holders.get(storage, 0) + 1
+            self.awaiting[storage] = nbytes
+
+    def _env_drops(self, node) -> None:
+        for storage, _ in self.pool_storages_of.get(node, ()):
+            self.holders[storage] -= 1
+            if not self.holders[storage]:
+                self.awaiting.pop(storage, None)
+
+    def _awaiting_bytes(self) -> int:
+        """Bytes of planned pool storages made in this forward that no layer has saved yet."""
+        if not self.awaiting:
+            return 0
+        for storage in [s for s in self.awaiting if (self.step_id, s) in self.pool.entries]:
+            del self.awaiting[storage]
+        return sum(self.awaiting.values())
+
+    def _account(self, step: int) -> None:
+        step = min(max(step, 0), len(self.unmanaged) - 1)
+        awaiting = self._awaiting_bytes()
+        self.accounted_peak = max(self.accounted_peak,
+                                  self.unmanaged[step] + self.pool.device_bytes + awaiting)
+        if self.calibrating:
+            self.calibration.observe(step, self.foreign_bytes, self.unmanaged[step] + awaiting,
+                                     self.pool.exact_device_bytes)
+
+    @property
+    def excess_bytes(self):
+        return self.calibration.excess_bytes
+
+    @property
+    def seen_excess(self):
+        return self.calibration.seen_excess
+
+    @property
+    def calibration_seconds(self) -> float:
+        return self.calibration.seconds
