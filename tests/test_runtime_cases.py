@@ -146,3 +146,48 @@ def test_models_returning_several_outputs_and_input_gradients():
     assert torch.equal(grads[0], grads[1])
     for a, b in zip(plain.parameters(), managed.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class _Headed(nn.Module):
+    """Not a zoo network: exported, its parameters read by get_attr at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(self.body(x).mean((2, 3))), 1)
+
+
+@pytest.mark.parametrize("swap", ["head", "layer"])
+def test_a_submodule_replaced_between_steps_is_the_one_trained(swap):
+    """Fine-tuning swaps a head (or a layer) for a fresh one of the same shape: the step after
+    it reads and trains the new module's parameters, as plain PyTorch does."""
+    import copy
+
+    def replace(model):
+        torch.manual_seed(5)
+        if swap == "head":
+            model.fc = nn.Linear(8, 10)
+        else:
+            model.body[3] = nn.Conv2d(8, 8, 3, padding=1)
+
+    def grads(model, run):
+        torch.manual_seed(1)
+        x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+        F.nll_loss(run(x), y).backward()
+        model.zero_grad()
+        replace(model)
+        F.nll_loss(run(x), y).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    torch.manual_seed(0)
+    plain = _Headed()
+    managed = copy.deepcopy(plain)
+    expected = grads(plain, plain)
+    got = grads(managed, sn.wrap(managed, policy="superneurons"))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert got[name] is not None and torch.equal(expected[name], got[name]), name

@@ -66,21 +66,23 @@ log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4
 
 
 def _getter(owner, dotted: str):
-    """A function reading ``owner``'s attribute at the dotted path now: parameters and buffers
-    from their module's own tables (nn.Module.__getattr__ walks them per call, at every
-    level)."""
-    path, _, name = dotted.rpartition(".")
-    parent = operator.attrgetter(path)(owner) if path else owner
-    if not isinstance(parent, torch.nn.Module):
-        return lambda: getattr(parent, name)
-    parameters, buffers = parent._parameters, parent._buffers
+    """A function reading ``owner``'s attribute at the dotted path now, as attrgetter would,
+    through the modules' own tables (nn.Module.__getattr__ searches three of them per level,
+    per call): the user may replace a submodule (a new head) as well as a tensor."""
+    *path, name = dotted.split(".")
 
     def read():
-        if name in parameters:
-            return parameters[name]
-        if name in buffers:
-            return buffers[name]
-        return getattr(parent, name)
+        obj = owner
+        for part in path:
+            modules = getattr(obj, "_modules", None)
+            obj = modules[part] if modules is not None and part in modules else \
+                getattr(obj, part)
+        if isinstance(obj, torch.nn.Module):
+            if name in obj._parameters:
+                return obj._parameters[name]
+            if name in obj._buffers:
+                return obj._buffers[name]
+        return getattr(obj, name)
     return read
 
 
@@ -185,8 +187,6 @@ class Executor(RoomKeeping):
         # regions); decided once, not by an exception per node and step
         self.state_owner = {node: self.model if _has_path(self.model, node.target) else self.gm
                             for node in self.attrs}
-        # read through the owning submodule, found once: the user may replace a tensor (its
-        # owner's attribute), not the submodule, which the captured graph holds too
         self.state_getter = {node: _getter(self.state_owner[node], node.target)
                              for node in self.attrs}
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")

@@ -127,7 +127,6 @@ class TensorPool:
         away to have ``nbytes`` leave (copies in flight count), start copying those free to
         leave at ``step``; make_room frees them when done, without waiting. Those still read
         in forward before ``by_step`` go then, as make_room picks them."""
-        self._drain(limit=None)
         in_flight = sum(footprint for *_, footprint in self.draining)
         for key in list(self.lru):
             if in_flight >= nbytes:
@@ -140,6 +139,10 @@ class TensorPool:
                 continue
             before = self.device_bytes
             in_flight += self._offload(entry) + before - self.device_bytes
+
+    def free_finished(self) -> None:
+        """Free the device bytes of offloads whose copies are done (Rule 4)."""
+        self._drain(limit=None)
 
     def _drain(self, limit: int | None) -> None:
         """Rule 4: free the device bytes of finished offloads; with a ``limit``, free the oldest

@@ -82,8 +82,11 @@ class RoomKeeping:
         """Rule 8: after forward step ``position``, start the copies that a step from
         ``position + 2`` on needs to have left, where they would take longer to cross the link
         than the layers before that step: started later, they would be late. Until then the
-        pool grows as the plan's pool buffers do, were none moved."""
+        pool is taken to grow as the plan's pool buffers live, an offloaded one only until its
+        last forward read: so the forecast is at most what the room will need, and Rule 8
+        starts at most the copies the step would make itself."""
         pool = self.pool
+        pool.free_finished()            # copies done since are not bytes still to leave
         if not pool.device_bytes:
             return
         last = min(self.num_layers, position + 2 + OFFLOAD_LOOKAHEAD_LAYERS) - 1
