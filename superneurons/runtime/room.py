@@ -92,12 +92,15 @@ class RoomKeeping:
         last = min(self.num_layers, position + 2 + OFFLOAD_LOOKAHEAD_LAYERS) - 1
         if last < position + 2:
             return
-        key = (self.calibration.excess_bytes, self.foreign_bytes)
+        key = self.calibration.excess_bytes
         if self.rooms_ahead is None or self.rooms_ahead[0] != key:
-            rooms = self._rooms_ahead()         # again when the calibration or others change
+            rooms = self._rooms_ahead()         # again when the calibration changes
             self.rooms_ahead = (key, rooms, RangeMax([-room for room in rooms]))
         _, rooms, tightest = self.rooms_ahead
-        held = pool.device_bytes + self._awaiting_bytes() - self.pool_live[position]
+        # the memory the model does not own takes the same room at every step: added here,
+        # not to the table, which would be made again whenever the caller's tensors change
+        held = pool.device_bytes + self._awaiting_bytes() - self.pool_live[position] + \
+            (self.foreign_bytes if self.count_foreign else 0)
         if held + tightest(position + 2, last) <= 0:
             return                                       # nothing ahead needs room
         link = self.plan.costs.machine.link_bytes_per_s
@@ -111,16 +114,16 @@ class RoomKeeping:
             pool.offload_early(position + 1, need, by_step)
 
     def _rooms_ahead(self) -> list:
-        """Per forward step a: the room _room_for_next(a - 1) will give, less the pool's
-        planned bytes by then (its growth is added back from where the pool is)."""
+        """Per forward step a: the room _room_for_next(a - 1) will give, the memory the model
+        does not own left out, less the pool's planned bytes by then (its growth is added back
+        from where the pool is)."""
         rooms = [0]
         for ahead in range(1, self.num_layers):
             outside = self.unmanaged_max(ahead - 1, ahead)
             if self.device.type == "cuda":
                 outside = self.calibration.outside(outside)
-            room = self.budget_bytes - outside - \
-                (self.foreign_bytes if self.count_foreign else 0)
-            rooms.append(room - self.pool_live[ahead - 1] - self.pool_created[ahead])
+            rooms.append(self.budget_bytes - outside - self.pool_live[ahead - 1]
+                         - self.pool_created[ahead])
         return rooms
 
     def _env_holds(self, node) -> None:
