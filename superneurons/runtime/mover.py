@@ -2,8 +2,9 @@
 
 Rule 1: an offload waits for the compute that produced the tensor; the caller keeps the device
         bytes until the offload's event has completed, or the compute stream waits for it
-        (Rule 3), and only then frees them (freeing them early with record_stream made the allocator retry and synchronize every stream when it
-        was short of memory: 7 times a step, profile_before.json).
+        (Rule 3), and only then frees them (freeing them early with record_stream made the
+        allocator retry and synchronize every stream when it was short of memory: 7 times a
+        step, profile_before.json).
 Rule 2: a prefetch allocates from the compute stream's memory, where the tensor is read and freed
         (the allocator keeps memory per stream: blocks freed on the copy stream would be stranded
         there), waits for the compute queued before it (that memory may have just been freed by

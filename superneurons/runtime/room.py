@@ -8,8 +8,9 @@ import torch
 
 from .calibration import allocated_bytes
 
-# executor Rule 8 looks at most this many layers ahead: a bound on the host time it adds to every layer
-# of a network of thousands, not a tuned value (copies needing more lead than that start late)
+# executor Rule 8 looks at most this many layers ahead: a bound on the host time it adds to
+# every layer of a network of thousands, not a tuned value (copies needing more lead than that
+# start late)
 OFFLOAD_LOOKAHEAD_LAYERS = 64
 
 
