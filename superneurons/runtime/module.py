@@ -20,12 +20,6 @@ Rule 3: a budget too small for the policy is a ValueError before the step runs, 
         optimizer's state, made by the first step), the plan is made again within what is
         left before the step runs, or the ValueError names the budget that would hold both.
 Rule 4: no grad (evaluation) runs the model untouched, except with state on the host (Rule 6).
-Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
-        memory and streams them through the device layer by layer (state.py); the model is run
-        on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
-        are moved there. Capture sees the model as on ``device`` (export.py Rule 3). Only the
-        plan about to run (or be made) keeps resident state on the device (state.py Rule 7):
-        another plan's copies would hold memory this one's budget does not count.
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
         it is in flight; else once that step's handles are gone (a loss not yet backpropagated
@@ -34,6 +28,12 @@ Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wr
         methods): a wrapper collected before backward leaves its step whole. Calls that
         cycle through more structures than that, so that a dropped plan is asked for again,
         get one warning (each such call captures again).
+Rule 6: state="host" keeps parameters, gradients, buffers and so the optimizer's state in host
+        memory and streams them through the device layer by layer (state.py); the model is run
+        on ``device`` (CUDA where there is one), always by an executor, and the call's tensors
+        are moved there. Capture sees the model as on ``device`` (export.py Rule 3). Only the
+        plan about to run (or be made) keeps resident state on the device (state.py Rule 7):
+        another plan's copies would hold memory this one's budget does not count.
 Rule 7: data parallelism with state="host" is the wrapper's own (process_group=, runtime/
         data_parallel.py): DistributedDataParallel's reducer hooks AccumulateGrad, which the
         state tier never runs, so DDP around such a wrapper is a ValueError before any
