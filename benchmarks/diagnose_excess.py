@@ -4,12 +4,11 @@ grouped by where they were made; then what the later steps moved and took.
 
     python benchmarks/diagnose_excess.py OUT_DIR MODEL:DTYPE:RATIO [...]
 
-Runs as ratio.py runs a superneurons row (its model, batch, cap at RATIO of the plain peak
-recorded in results/ratio_MODEL_DTYPE.json, AdamW), one fresh process per config; writes
+Runs as ratio.py runs a superneurons row (ratio.prepare: its model, batch, cap at RATIO of the
+plain peak recorded in results/ratio_MODEL_DTYPE.json, AdamW), one fresh process per config; writes
 OUT_DIR/diagnose_excess_MODEL_DTYPE_RATIO.json.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -18,12 +17,6 @@ from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 6
-
-
-def _plain_peak(name: str, dtype: str) -> int:
-    with open(os.path.join(HERE, "results", f"ratio_{name}_{dtype}.json")) as f:
-        rows = json.load(f)["rows"]
-    return next(r["peak_allocated_bytes"] for r in rows if r["system"] == "plain" and r["ok"])
 
 
 def _where(frames: list) -> str:
@@ -47,19 +40,13 @@ def _live_blocks() -> dict:
 def child(name: str, dtype: str, ratio: float, out: str) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
-    import superneurons as sn
     from superneurons.runtime import calibration
     from common import torch_settings, write
-    from ratio import CAP_HEADROOM, build
+    from ratio import prepare, recorded_plain_peak
     torch_settings()
     device = torch.device("cuda", 0)
-    cap = int(_plain_peak(name, dtype) * ratio)
-    torch.cuda.set_per_process_memory_fraction(
-        cap / torch.cuda.get_device_properties(device).total_memory, device)
-    torch.manual_seed(0)
-    model, args, kwargs, loss_of = build(name, "superneurons", device)
-    run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run, step_once, cap, (args, kwargs) = prepare(
+        name, dtype, "superneurons", ratio, recorded_plain_peak(name, dtype), device)
     readings, state = defaultdict(list), {"step": 0, "snap_at": None, "snapshot": None}
     observe = calibration.Calibration.observe
 
@@ -73,7 +60,6 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
         return observe(self, step, others, planned, pool)
 
     calibration.Calibration.observe = recording
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
     steps = []
     for index in range(STEPS):
         state["step"] = index
@@ -84,11 +70,7 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = loss_of(run(*args, **kwargs))
-        loss.backward()
-        optimizer.step()
+        step_once()
         torch.cuda.synchronize()
         if index == 1:
             torch.cuda.memory._record_memory_history(enabled=None)

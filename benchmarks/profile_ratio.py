@@ -35,29 +35,13 @@ def _kind(name: str) -> str:
 def child(name: str, dtype: str, ratio: float, system: str) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
-    import superneurons as sn
     from common import torch_settings
-    from diagnose_excess import _plain_peak
-    from ratio import CAP_HEADROOM, build
+    from ratio import prepare, recorded_plain_peak
     torch_settings()
     device = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    model, args, kwargs, loss_of = build(name, system, device)
-    run = model
-    if system == "superneurons":
-        cap = int(_plain_peak(name, dtype) * ratio)
-        torch.cuda.set_per_process_memory_fraction(
-            cap / torch.cuda.get_device_properties(device).total_memory, device)
-        run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = loss_of(run(*args, **kwargs))
-        loss.backward()
-        optimizer.step()
+    capped = system == "superneurons"
+    run, step, _, _ = prepare(name, dtype, system, ratio if capped else None,
+                              recorded_plain_peak(name, dtype) if capped else None, device)
 
     for _ in range(WARM):
         step()

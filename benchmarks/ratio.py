@@ -22,6 +22,7 @@ whether the timed steps were undisturbed.
 """
 
 import argparse
+import contextlib
 import fcntl
 import glob
 import json
@@ -86,20 +87,16 @@ def checkpoint_blocks(model) -> None:
             stage[index] = _Checkpointed(block)
 
 
-def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -> dict:
-    """One system in this process; ``plain_peak`` and ``ratio`` set the cap (none for plain)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+def prepare(name: str, dtype: str, system: str, ratio, plain_peak, device):
+    """One system set up in this process as measure() times it: the cap at ``ratio`` of
+    ``plain_peak`` (none for plain), the model built and wrapped. Returns (what the step calls,
+    a function running one AdamW step, the cap in bytes or None, the call's (args, kwargs))."""
     import torch
     import superneurons as sn
-    from common import torch_settings
-    torch_settings()                                 # as every benchmark here: no TF32
-    device = torch.device("cuda", 0)
     cap = int(plain_peak * ratio) if ratio else None
     if cap:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    gpu = GpuLock.from_environment()
-    gpu.share()                                      # set-up and first step beside others'
     torch.manual_seed(0)
     model, args, kwargs, loss_of = build(name, system, device)
     run = model
@@ -113,7 +110,37 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16")
     offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if system == "save_on_cpu" \
-        else None
+        else contextlib.nullcontext()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast, offload:
+            loss = loss_of(run(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+    return run, step, cap, (args, kwargs)
+
+
+def recorded_plain_peak(name: str, dtype: str) -> int:
+    """Plain PyTorch's peak allocated bytes in the stored record results/ratio_NAME_DTYPE.json,
+    for scripts that cap a row as this sweep did without measuring plain again."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        f"ratio_{name}_{dtype}.json")
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return next(r["peak_allocated_bytes"] for r in rows if r["system"] == "plain" and r["ok"])
+
+
+def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -> dict:
+    """One system in this process; ``plain_peak`` and ``ratio`` set the cap (none for plain)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    from common import torch_settings
+    torch_settings()                                 # as every benchmark here: no TF32
+    device = torch.device("cuda", 0)
+    gpu = GpuLock.from_environment()
+    gpu.share()                                      # set-up and first step beside others'
+    run, step_once, cap, _ = prepare(name, dtype, system, ratio, plain_peak, device)
     seconds, first = [], None
     try:
         for step in range(steps + 2):                      # two warm-up steps
@@ -121,15 +148,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                 gpu.own()                            # until this process exits
             torch.cuda.synchronize()
             began = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            with autocast:
-                if offload is not None:
-                    with offload:
-                        loss = loss_of(run(*args, **kwargs))
-                else:
-                    loss = loss_of(run(*args, **kwargs))
-            loss.backward()
-            optimizer.step()
+            step_once()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
             if step == 0 and system == "superneurons" and run.stats is not None:

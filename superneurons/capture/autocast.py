@@ -71,7 +71,7 @@ _FLOAT32_UNLESS_DTYPE = {
 
 _CROSS_ENTROPY = ("cross_entropy", "cross_entropy_loss")
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}                       # at::Reduction
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}                        # at::Reduction
 _ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
 
 
@@ -138,9 +138,9 @@ def _cross_entropy_below_autocast(func, name: str, args, kwargs):
         call.apply_defaults()
         call = call.arguments
         if call["size_average"] is not None or call["reduce"] is not None or \
-                call["reduction"] not in _REDUCTIONS:               # torch's own error for these
+                call["reduction"] not in REDUCTIONS:               # torch's own error for these
             return _in_float32(func, args, kwargs)
-        call["reduction"] = _REDUCTIONS[call["reduction"]]
+        call["reduction"] = REDUCTIONS[call["reduction"]]
     else:                                     # aten.cross_entropy_loss's schema, in order
         call = dict(zip(("input", "target"), args[:2]),
                     **dict(zip(_ATEN_DEFAULTS, args[2:])))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.overrides import _get_current_function_mode_stack
 
-from .autocast import AutocastOnMeta, casts_cross_entropy
+from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy
 
 __all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "ROW_ALIGNMENT"]
 
@@ -50,7 +50,7 @@ SLICES = 16                  # a slice's two temporaries: at most 1/8 of the log
 # bytes, which keeps every row's 16-byte vector alignment in a slice's own buffers as in the
 # whole tensor's (CUDA's allocations start at multiples of 512 bytes)
 ROW_ALIGNMENT = 64
-_REDUCTIONS = {"mean": 1, "sum": 2}    # at::Reduction
+_REDUCTIONS = {k: v for k, v in REDUCTIONS.items() if k != "none"}    # Rule 2
 # autograd's words for a saved tensor written in place since, which the executor uses too
 # (runtime/handles.py, Written)
 MODIFIED_INPLACE = ("one of the variables needed for gradient computation has been modified by "

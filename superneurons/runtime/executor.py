@@ -185,10 +185,10 @@ class Executor(RoomKeeping):
         # whose attribute each get_attr reads: the model's own tensors by their names (read
         # again every step), else the graph's (constants, the bodies of grad-mode and autocast
         # regions); decided once, not by an exception per node and step
-        self.state_owner = {node: self.model if _has_path(self.model, node.target) else self.gm
-                            for node in self.attrs}
-        self.state_getter = {node: _getter(self.state_owner[node], node.target)
-                             for node in self.attrs}
+        self.state_getter = {
+            node: _getter(self.model if _has_path(self.model, node.target) else self.gm,
+                          node.target)
+            for node in self.attrs}
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
 
     def _replay_liveness(self, graph) -> None:
@@ -273,10 +273,11 @@ class Executor(RoomKeeping):
                     if env.pop(node, None) is not None:
                         self._env_drops(node)
                 # room for the next layer: what only this layer read may leave now
+                awaiting = self._awaiting_bytes()    # making room adds no entries: once
                 self.pool.make_room(position + 1, forward=True,
-                                    limit=self._room_for_next(position))
-                self._offload_ahead(position)                               # Rule 8
-                self._account(position)
+                                    limit=self._room_for_next(position, awaiting))
+                self._offload_ahead(position, awaiting)                     # Rule 8
+                self._account(position, awaiting)
         self.layer = self.segment = None
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
@@ -441,7 +442,7 @@ class Executor(RoomKeeping):
         return record
 
     def _state(self, node: fx.Node):
-        """A get_attr node's object, read from its owner now (state_owner)."""
+        """A get_attr node's object, read from its owner now (state_getter)."""
         return self.state_getter[node]()
 
     def _named_state(self, name: str) -> torch.Tensor:

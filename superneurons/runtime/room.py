@@ -72,14 +72,14 @@ class RoomKeeping:
                 outside = max(outside, ours - self.foreign_bytes)
         return self.budget_bytes - outside - (self.foreign_bytes if self.count_foreign else 0)
 
-    def _room_for_next(self, position: int) -> int:
+    def _room_for_next(self, position: int, awaiting: int) -> int:
         """The pool's room after forward step ``position``: the next layer allocates before the
-        pool can act again, so what it adds outside the pool and into it is left free now."""
+        pool can act again, so what it adds outside the pool and into it is left free now;
+        ``awaiting``: _awaiting_bytes() now."""
         following = min(position + 1, len(self.pool_created) - 1)
-        return self.allowance(position, following) - self.pool_created[following] - \
-            self._awaiting_bytes()
+        return self.allowance(position, following) - self.pool_created[following] - awaiting
 
-    def _offload_ahead(self, position: int) -> None:
+    def _offload_ahead(self, position: int, awaiting: int) -> None:
         """Rule 8: after forward step ``position``, start the copies that a step from
         ``position + 2`` on needs to have left, where they would take longer to cross the link
         than the layers before that step: started later, they would be late. Until then the
@@ -100,7 +100,7 @@ class RoomKeeping:
         _, rooms, tightest = self.rooms_ahead
         # the memory the model does not own takes the same room at every step: added here,
         # not to the table, which would be made again whenever the caller's tensors change
-        held = pool.device_bytes + self._awaiting_bytes() - self.pool_live[position] + \
+        held = pool.device_bytes + awaiting - self.pool_live[position] + \
             (self.foreign_bytes if self.count_foreign else 0)
         if held + tightest(position + 2, last) <= 0:
             return                                       # nothing ahead needs room
@@ -146,9 +146,10 @@ class RoomKeeping:
             del self.awaiting[storage]
         return sum(self.awaiting.values())
 
-    def _account(self, step: int) -> None:
+    def _account(self, step: int, awaiting: int | None = None) -> None:
         step = min(max(step, 0), len(self.unmanaged) - 1)
-        awaiting = self._awaiting_bytes()
+        if awaiting is None:
+            awaiting = self._awaiting_bytes()
         self.accounted_peak = max(self.accounted_peak,
                                   self.unmanaged[step] + self.pool.device_bytes + awaiting)
         if self.calibrating:
