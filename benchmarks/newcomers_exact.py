@@ -1,0 +1,84 @@
+"""Two models nobody here wrote, outside the test matrix, trained under each policy against
+plain PyTorch: torchvision shufflenet_v2_x0_5 (channel shuffles: views, transposes, chunks) and
+HF RobertaForMaskedLM from a small config (dropout, its own loss, which superneurons slices).
+3 AdamW steps from the same start and seed; losses and every parameter and buffer compared bit
+for bit. Policies: offload, recompute, superneurons at its floor and at a budget halfway to
+liveness (where the pool starts copies ahead of need, executor Rule 8).
+
+    python benchmarks/newcomers_exact.py OUT_DIR        (CPU; writes newcomers_exact.json)
+"""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import superneurons as sn
+from common import write
+
+STEPS = 3
+
+
+def shufflenet():
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.shufflenet_v2_x0_5(num_classes=10).train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+
+
+def roberta():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(vocab_size=500, hidden_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, intermediate_size=128,
+                                        max_position_embeddings=80)
+    model = transformers.RobertaForMaskedLM(config).train()
+    ids = torch.randint(3, 500, (4, 64))
+    labels = ids.clone()
+    labels[:, ::3] = -100
+    return model, (), {"input_ids": ids, "labels": labels}, lambda out: out.loss
+
+
+def train(model, run, args, kwargs, loss_of) -> list:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(run(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def main():
+    rows = []
+    for name, make in (("torchvision shufflenet_v2_x0_5", shufflenet),
+                       ("HF RobertaForMaskedLM", roberta)):
+        base, args, kwargs, loss_of = make()
+        floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
+        liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
+        plain = copy.deepcopy(base)
+        expected = train(plain, plain, args, kwargs, loss_of)
+        for policy, budget in (("offload", None), ("recompute", None), ("superneurons", None),
+                               ("superneurons", (floor + liveness) // 2)):
+            managed = copy.deepcopy(base)
+            wrapped = sn.wrap(managed, policy=policy, budget=budget)
+            got = train(managed, wrapped, args, kwargs, loss_of)
+            same = torch.equal(torch.stack(expected), torch.stack(got)) and all(
+                torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                  managed.state_dict().values()))
+            stats = wrapped.stats
+            rows.append({"model": name, "policy": policy, "budget_bytes": budget,
+                         "bit_identical": same, "offloaded_bytes": stats.offloaded_bytes,
+                         "recomputed_layers": stats.recomputed_layers})
+            print(rows[-1], flush=True)
+    write(os.path.join(sys.argv[1], "newcomers_exact.json"), {"steps": STEPS, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
