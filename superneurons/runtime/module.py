@@ -38,6 +38,10 @@ Rule 7: data parallelism with state="host" is the wrapper's own (process_group=,
         data_parallel.py): DistributedDataParallel's reducer hooks AccumulateGrad, which the
         state tier never runs, so DDP around such a wrapper is a ValueError before any
         collective (DDP reads _ddp_params_and_buffers_to_ignore first thing).
+Rule 8: on CUDA, a step's forward and backward run with the caching allocator limited to the
+        budget (allocator_cap.py), the untouched ones included: cuDNN's workspaces, which the
+        plans do not count, then fit in what the plan leaves rather than in what the device
+        has. The caller's own limit is back for the loss and the optimizer's step.
 """
 
 import itertools
@@ -61,6 +65,7 @@ from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor
 from .room import foreign_bytes
+from .allocator_cap import AllocatorCap, enabled as cap_enabled
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
 from .state import check_state_tier, to_host_memory
@@ -135,6 +140,7 @@ class SuperNeuronsModule(nn.Module):
         # call key -> seconds spent making its plan, until a step runs it (StepStats)
         self._unreported: dict = {}
         self._last = None
+        self._caps = {}                # device -> AllocatorCap (Rule 8)
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
                          self._retiring).atexit = False
@@ -368,7 +374,7 @@ class SuperNeuronsModule(nn.Module):
             torch.cuda.reset_peak_memory_stats(device)
         self._last = (plan, executor, device, made)
         if executor is None:
-            return self.model(*args, **kwargs)
+            return self._capped(device, lambda: self.model(*args, **kwargs))     # Rule 8
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
@@ -380,7 +386,7 @@ class SuperNeuronsModule(nn.Module):
             made["host_check_seconds"] = time.perf_counter() - began
             log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:
-            return executor.run(flat, foreign)
+            return self._capped(device, lambda: executor.run(flat, foreign))     # Rule 8
         except torch.OutOfMemoryError as error:
             executor.release()
             raise RuntimeError(
@@ -390,6 +396,21 @@ class SuperNeuronsModule(nn.Module):
                 "stepped (running statistics this forward updated have moved); lower the budget "
                 "or the batch, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") \
                 from error
+
+    def _capped(self, device: torch.device, forward):
+        """``forward()`` and the backward of what it returns under the budget (Rule 8)."""
+        if self.budget_bytes is None or not reads_device_memory(device) or not cap_enabled():
+            return forward()
+        cap = self._caps.get(device)
+        if cap is None:
+            cap = self._caps[device] = AllocatorCap(device, self.budget_bytes)
+        cap.hold()
+        try:
+            out = forward()
+        finally:
+            cap.release()
+        cap.through_backward(out)
+        return out
 
     def no_sync(self):
         """As DistributedDataParallel.no_sync(): forwards inside it (and their backwards)
@@ -420,7 +441,8 @@ class SuperNeuronsModule(nn.Module):
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
-        for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last"):
+        for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last",
+                     "_caps"):
             del state[name]           # __setstate__ makes them anew (_init_plans)
         # a process group does not travel: a copy trains alone until wrapped with one again
         state["_data_parallel"] = None

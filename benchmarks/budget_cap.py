@@ -1,0 +1,92 @@
+"""The budget as the allocator's limit (runtime/allocator_cap.py) against the budget held at
+layer boundaries only: each step's peak allocated and reserved bytes beside the budget, the
+allocator's out-of-memory retries, and the speed, with the cap on and off.
+
+    python benchmarks/budget_cap.py OUT.json MODEL:DTYPE:RATIO [...] [--steps 8]
+
+Each config runs as ratio.py runs a superneurons row (ratio.prepare: its model, batch, AdamW,
+the cap at RATIO of the plain peak recorded in results/ratio_MODEL_DTYPE.json, the budget
+CAP_HEADROOM below it), one fresh process per config and switch, one process at a time. The
+first two steps are warm-up; speed is the median of the rest.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMUP = 2
+
+
+def child(name: str, dtype: str, ratio: float, steps: int) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    from common import torch_settings
+    from ratio import BATCH, SEQUENCE, prepare, recorded_plain_peak
+    torch_settings()
+    device = torch.device("cuda", 0)
+    run, step_once, cap, _ = prepare(name, dtype, "superneurons", ratio,
+                                     recorded_plain_peak(name, dtype), device)
+    rows = []
+    try:
+        for _ in range(steps):
+            before = torch.cuda.memory_stats(device)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            began = time.perf_counter()
+            step_once()
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_stats(device)
+            stats = run.stats
+            rows.append({
+                "seconds": time.perf_counter() - began,
+                "peak_allocated_bytes": after["allocated_bytes.all.peak"],
+                "peak_reserved_bytes": after["reserved_bytes.all.peak"],
+                "ooms": after["num_ooms"] - before["num_ooms"],
+                "alloc_retries": after["num_alloc_retries"] - before["num_alloc_retries"],
+                "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes,
+                "recomputed_layers": stats.recomputed_layers})
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}",
+                "steps": rows}
+    budget = run.budget_bytes
+    steady = sorted(r["seconds"] for r in rows[WARMUP:])
+    samples = BATCH[name] * (SEQUENCE if name == "gpt2" else 1)
+    return {"ok": True, "budget_bytes": budget, "cap_bytes": cap,
+            "per_s": samples / steady[len(steady) // 2],
+            "max_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in rows),
+            "steps_over_budget": sum(r["peak_allocated_bytes"] > budget for r in rows),
+            "steps": rows}
+
+
+def main():
+    if sys.argv[1] == "--child":
+        name, dtype, ratio, steps = sys.argv[2:6]
+        print(json.dumps(child(name, dtype, float(ratio), int(steps))), flush=True)
+        return
+    sys.path.insert(0, HERE)
+    from common import environment, write
+    out, configs = sys.argv[1], [a for a in sys.argv[2:] if ":" in a]
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8
+    record = {**environment(), "warmup_steps": WARMUP, "rows": []}
+    for config in configs:
+        name, dtype, ratio = config.split(":")
+        for switch in ("1", "0"):
+            environment_ = {**os.environ, "SUPERNEURONS_BUDGET_CAP": switch}
+            done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio,
+                                   str(steps)], cwd=HERE, capture_output=True, text=True,
+                                  timeout=300, env=environment_)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            row = json.loads(lines[-1]) if lines else \
+                {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
+            row = {"model": name, "dtype": dtype, "ratio": float(ratio),
+                   "allocator_cap": switch == "1", **row}
+            record["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
+            write(out, record, quiet=True)
+
+
+if __name__ == "__main__":
+    main()
