@@ -33,7 +33,10 @@ _held: dict = {}
 
 
 def enabled() -> bool:
-    return os.environ.get(ENVIRONMENT, "1") != "0"
+    """Whether steps are capped: not where the switch is "0", nor where this torch cannot say
+    what the caller's own limit was, to give it back."""
+    return os.environ.get(ENVIRONMENT, "1") != "0" and \
+        hasattr(torch.cuda, "get_per_process_memory_fraction")
 
 
 class AllocatorCap:
