@@ -8,7 +8,8 @@ convolution algorithm whose workspace it cannot allocate and runs one that needs
 allocator's per-process fraction lowered to the budget, the workspaces fit in what the plan
 leaves. The fraction limits reserved memory, which holds every allocated byte and the blocks
 cached free besides, so the limit is at least as strict as the budget; when a request would
-pass it, the allocator first returns its free cached blocks and tries again.
+pass it, the allocator first returns its free cached blocks and tries again; blocks already
+cached beyond it are returned when a step begins.
 
 The caller's own fraction comes back when the forward returns and when its backward ends (an
 autograd callback queued by a hook on the forward's outputs), so the loss, the optimizer's
@@ -45,8 +46,8 @@ class AllocatorCap:
 
     def __init__(self, device: torch.device, budget_bytes: int):
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(self.index).total_memory
-        self.fraction = min(1.0, budget_bytes / total)
+        self.total = torch.cuda.get_device_properties(self.index).total_memory
+        self.fraction = min(1.0, budget_bytes / self.total)
 
     def hold(self) -> None:
         caller, holders = _held.get(self.index, (None, {}))
@@ -54,7 +55,12 @@ class AllocatorCap:
             caller = torch.cuda.get_per_process_memory_fraction(self.index)
         holders[id(self)] = self.fraction
         _held[self.index] = (caller, holders)
-        _apply(self.index, min([caller, *holders.values()]))
+        fraction = min([caller, *holders.values()])
+        _apply(self.index, fraction)
+        # the limit bounds what the allocator reserves anew; blocks it already holds free
+        # beyond it (a step or an evaluation before this one) would still serve workspaces
+        if _reserved_bytes(self.index) > fraction * self.total:
+            torch.cuda.empty_cache()
 
     def release(self) -> None:
         caller, holders = _held.get(self.index, (None, {}))
@@ -76,6 +82,11 @@ class AllocatorCap:
             self.hold()
             torch.autograd.Variable._execution_engine.queue_callback(self.release)
         return None
+
+
+def _reserved_bytes(index: int) -> int:
+    # as calibration.allocated_bytes: without flattening every statistic in Python
+    return torch.cuda.memory_stats_as_nested_dict(index)["reserved_bytes"]["all"]["current"]
 
 
 def _apply(index: int, fraction: float) -> None:
