@@ -1,5 +1,5 @@
-"""The budget as the allocator's limit (runtime/allocator_cap.py) against the budget held at
-layer boundaries only: each step's peak allocated and reserved bytes beside the budget, the
+"""sn.wrap(..., strict_budget=True), the budget as the allocator's limit (runtime/
+allocator_cap.py), against the default, the budget held at layer boundaries: each step's peak allocated and reserved bytes beside the budget, the
 allocator's out-of-memory retries, and the speed, with the cap on and off.
 
     python benchmarks/budget_cap.py OUT.json MODEL:DTYPE:RATIO [...] [--steps 8]
@@ -74,7 +74,7 @@ def main():
     for config in configs:
         name, dtype, ratio = config.split(":")
         for switch in ("1", "0"):
-            environment_ = {**os.environ, "SUPERNEURONS_BUDGET_CAP": switch}
+            environment_ = {**os.environ, "RATIO_STRICT_BUDGET": switch}
             done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio,
                                    str(steps)], cwd=HERE, capture_output=True, text=True,
                                   timeout=300, env=environment_)
@@ -82,7 +82,7 @@ def main():
             row = json.loads(lines[-1]) if lines else \
                 {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
             row = {"model": name, "dtype": dtype, "ratio": float(ratio),
-                   "allocator_cap": switch == "1", **row}
+                   "strict_budget": switch == "1", **row}
             record["rows"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
             write(out, record, quiet=True)

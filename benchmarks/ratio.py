@@ -46,6 +46,7 @@ BATCH = {"resnet50": 192, "efficientnet_b0": 192, "densenet121": 128, "gpt2": 16
 IMAGE, SEQUENCE, VOCAB = 224, 1024, 50257
 GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for its timed steps
 SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
+STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budget=True
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
 
 
@@ -102,7 +103,8 @@ def prepare(name: str, dtype: str, system: str, ratio, plain_peak, device):
     run = model
     if system == "superneurons":
         run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)),
-                      slice_loss=os.environ.get(SLICE_LOSS) != "0")
+                      slice_loss=os.environ.get(SLICE_LOSS) != "0",
+                      strict_budget=os.environ.get(STRICT_BUDGET) == "1")
     elif system == "compile":
         import torch._functorch.config as functorch_config
         functorch_config.activation_memory_budget = ratio or 1.0

@@ -1,6 +1,6 @@
 """How far the untouched path's real peak lies above its plan, and whether it trains at a
-budget of exactly its plan's peak (plus what the model does not own) with the allocator capped
-to the budget (runtime/allocator_cap.py) and without.
+budget of exactly its plan's peak (plus what the model does not own) with strict_budget (the
+allocator limited to the budget, runtime/allocator_cap.py) and without.
 
     python benchmarks/untouched_margin.py OUT.json MODEL:DTYPE [...]
 
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
 
 
-def child(name: str, dtype: str, system: str) -> dict:
+def child(name: str, dtype: str, system: str, strict: str) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
@@ -37,7 +37,8 @@ def child(name: str, dtype: str, system: str) -> dict:
     foreign = foreign_bytes(plan.graph, tensors, device, model.parameters(),
                             state_on_device=True)
     budget = plan.peak_bytes + foreign
-    run = model if system == "plain" else sn.wrap(model, policy="superneurons", budget=budget)
+    run = model if system == "plain" else sn.wrap(model, policy="superneurons", budget=budget,
+                                                  strict_budget=strict == "1")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     peaks = []
     try:
@@ -60,7 +61,7 @@ def child(name: str, dtype: str, system: str) -> dict:
 
 def main():
     if sys.argv[1] == "--child":
-        print(json.dumps(child(*sys.argv[2:5])), flush=True)
+        print(json.dumps(child(*sys.argv[2:6])), flush=True)
         return
     sys.path.insert(0, HERE)
     from common import environment, write
@@ -69,14 +70,14 @@ def main():
     for config in sys.argv[2:]:
         name, dtype = config.split(":")
         for system, switch in (("plain", "1"), ("wrapped", "1"), ("wrapped", "0")):
-            done = subprocess.run([sys.executable, __file__, "--child", name, dtype, system],
-                                  cwd=HERE, capture_output=True, text=True, timeout=240,
-                                  env={**os.environ, "SUPERNEURONS_BUDGET_CAP": switch})
+            done = subprocess.run([sys.executable, __file__, "--child", name, dtype, system,
+                                   switch], cwd=HERE, capture_output=True, text=True,
+                                  timeout=240)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             row = json.loads(lines[-1]) if lines else \
                 {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
             row = {"model": name, "dtype": dtype, "system": system,
-                   "allocator_cap": system != "plain" and switch == "1", **row}
+                   "strict_budget": system != "plain" and switch == "1", **row}
             record["rows"].append(row)
             print(json.dumps(row), flush=True)
             write(out, record, quiet=True)

@@ -82,11 +82,15 @@ def test_a_cap_is_held_from_the_first_gradient_to_the_end_of_backward(monkeypatc
     assert limit.fraction == 1.0 and allocator_cap._held == {}
 
 
-def test_the_switch_turns_the_cap_off(monkeypatch):
-    monkeypatch.setenv(allocator_cap.ENVIRONMENT, "0")
-    assert not allocator_cap.enabled()
-    monkeypatch.setenv(allocator_cap.ENVIRONMENT, "1")
-    assert allocator_cap.enabled()
+def test_strict_budget_is_refused_where_it_cannot_hold(monkeypatch):
+    with pytest.raises(ValueError, match="give a budget"):
+        sn.wrap(nn.Linear(2, 2), strict_budget=True)
+    model = sn.wrap(nn.Linear(2, 2), budget="1GiB", strict_budget=True)
+    with pytest.raises(ValueError, match="on cpu: leave strict_budget off"):
+        model(torch.randn(3, 2, requires_grad=True))
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")
+    with pytest.raises(ValueError, match="cannot read the allocator's limit"):
+        sn.wrap(nn.Linear(2, 2), budget="1GiB", strict_budget=True)
 
 
 def _resnet(device):
@@ -107,7 +111,7 @@ def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_
     total = torch.cuda.get_device_properties(0).total_memory
     caller = torch.cuda.get_per_process_memory_fraction(0)
     model = _resnet("cuda")
-    wrapped = sn.wrap(model, policy="superneurons", budget=budget)
+    wrapped = sn.wrap(model, policy="superneurons", budget=budget, strict_budget=True)
     seen = []
     next(model.parameters()).register_hook(
         lambda grad: seen.append(torch.cuda.get_per_process_memory_fraction(0)))
@@ -125,12 +129,12 @@ def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_
 
 
 @needs_cuda
-@pytest.mark.parametrize("benchmark", [False, True])
-def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(benchmark):
+@pytest.mark.parametrize("cudnn_benchmark", [False, True])
+def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(cudnn_benchmark):
     """What the cap is for: without it, a convolution's workspace lifts the step's peak over
     a budget just above the step's tensors; with it, the peak stays within, though cuDNN
     chose (and with benchmark=True cached) its algorithm without the cap first."""
-    torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.benchmark = cudnn_benchmark
     try:
         conv = nn.Conv2d(256, 256, 3, padding=1).cuda()
         x = torch.randn(64, 256, 56, 56, device="cuda", requires_grad=True)
@@ -138,16 +142,14 @@ def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(benchmark
             sn.wrap(conv, policy="liveness", budget=1)(x)
         budget = smallest.value.peak_bytes + (64 << 20)
         peaks = {}
-        for switch in ("0", "1"):
+        for strict in (False, True):
             # a large block cached free, as a step before this one can leave it
             torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-            wrapped = sn.wrap(conv, policy="liveness", budget=budget)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv(allocator_cap.ENVIRONMENT, switch)
-                wrapped(x).sum().backward()
-            peaks[switch] = torch.cuda.max_memory_allocated()
+            wrapped = sn.wrap(conv, policy="liveness", budget=budget, strict_budget=strict)
+            wrapped(x).sum().backward()
+            peaks[strict] = torch.cuda.max_memory_allocated()
             x.grad = None
-        assert peaks["0"] > budget          # else this test shows nothing
-        assert peaks["1"] <= budget
+        assert peaks[False] > budget        # else this test shows nothing
+        assert peaks[True] <= budget
     finally:
         torch.backends.cudnn.benchmark = False

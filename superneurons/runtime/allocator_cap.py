@@ -1,5 +1,5 @@
-"""The budget as the caching allocator's own limit while a step's forward and backward run
-(module Rule 8).
+"""strict_budget: the budget as the caching allocator's own limit while a step's forward and
+backward run (module Rule 8).
 
 Plans hold the budget at layer boundaries. Between them, cuDNN's convolutions take workspaces
 from whatever the caching allocator can give, up to the device (or the caller's own
@@ -21,23 +21,16 @@ A backward that raises runs no callback; the limit then stays until the next for
 wrapper on that device returns.
 """
 
-import os
-
 import torch
 from torch.utils import _pytree as pytree
-
-# "0" leaves the allocator's limit alone: the budget then holds at layer boundaries only
-ENVIRONMENT = "SUPERNEURONS_BUDGET_CAP"
 
 # per CUDA device index: (the caller's fraction, {holder id: the holder's fraction})
 _held: dict = {}
 
 
-def enabled() -> bool:
-    """Whether steps are capped: not where the switch is "0", nor where this torch cannot say
-    what the caller's own limit was, to give it back."""
-    return os.environ.get(ENVIRONMENT, "1") != "0" and \
-        hasattr(torch.cuda, "get_per_process_memory_fraction")
+def available() -> bool:
+    """Whether this torch can say what the caller's own limit was, to give it back."""
+    return hasattr(torch.cuda, "get_per_process_memory_fraction")
 
 
 class AllocatorCap:

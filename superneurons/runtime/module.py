@@ -38,10 +38,13 @@ Rule 7: data parallelism with state="host" is the wrapper's own (process_group=,
         data_parallel.py): DistributedDataParallel's reducer hooks AccumulateGrad, which the
         state tier never runs, so DDP around such a wrapper is a ValueError before any
         collective (DDP reads _ddp_params_and_buffers_to_ignore first thing).
-Rule 8: on CUDA, a step's forward and backward run with the caching allocator limited to the
-        budget (allocator_cap.py), the untouched ones included: cuDNN's workspaces, which the
-        plans do not count, then fit in what the plan leaves rather than in what the device
-        has. The caller's own limit is back for the loss and the optimizer's step.
+Rule 8: with strict_budget on CUDA, a step's forward and backward run with the caching
+        allocator limited to the budget (allocator_cap.py), the untouched ones included:
+        cuDNN's workspaces, which plans do not count, then fit in what the plan leaves rather
+        than in what the device has. The caller's own limit is back for the loss and the
+        optimizer's step. Off by default: plans are exact at layer boundaries, and between
+        them real use can pass the plan (a loss's temporaries, allocator fragmentation); with
+        the limit such a step runs out of memory, without it it passes the budget.
 """
 
 import itertools
@@ -65,7 +68,7 @@ from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor
 from .room import foreign_bytes
-from .allocator_cap import AllocatorCap, enabled as cap_enabled
+from .allocator_cap import AllocatorCap, available as cap_available
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
 from .state import check_state_tier, to_host_memory
@@ -94,7 +97,7 @@ log = logging.getLogger(__name__)
 
 class SuperNeuronsModule(nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
-                 process_group=None, slice_loss=True):
+                 process_group=None, slice_loss=True, strict_budget=False):
         super().__init__()
         self.model = model
         self.slice_loss = bool(slice_loss)                        # capture/sliced_loss.py
@@ -102,6 +105,13 @@ class SuperNeuronsModule(nn.Module):
         self.policy = parse_policy(policy)
         self.strategy = parse_strategy(strategy)
         self.budget_bytes = parse_bytes(budget)
+        self.strict_budget = bool(strict_budget)                        # Rule 8
+        if self.strict_budget and (self.budget_bytes is None or not cap_available()):
+            raise ValueError("strict_budget limits CUDA's caching allocator to the budget: "
+                             + ("give a budget too" if self.budget_bytes is None else
+                                f"torch {torch.__version__} cannot read the allocator's limit "
+                                "to give it back (torch.cuda.get_per_process_memory_"
+                                "fraction): leave strict_budget off"))
         self.state = parse_state(state)
         self.compute_device = None                                      # Rule 6
         if self.state == "host":
@@ -399,8 +409,11 @@ class SuperNeuronsModule(nn.Module):
 
     def _capped(self, device: torch.device, forward):
         """``forward()`` and the backward of what it returns under the budget (Rule 8)."""
-        if self.budget_bytes is None or not reads_device_memory(device) or not cap_enabled():
+        if not self.strict_budget:
             return forward()
+        if not reads_device_memory(device):
+            raise ValueError(f"strict_budget limits CUDA's caching allocator; this step runs "
+                             f"on {device}: leave strict_budget off there")
         cap = self._caps.get(device)
         if cap is None:
             cap = self._caps[device] = AllocatorCap(device, self.budget_bytes)
@@ -573,7 +586,8 @@ def _moved_to(tree, device: torch.device):
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",
-         state="device", device=None, process_group=None, slice_loss=True):
+         state="device", device=None, process_group=None, slice_loss=True,
+         strict_budget=False):
     """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB").
     ``state="host"`` keeps parameters, gradients, buffers and optimizer state in host memory and
     runs the model on ``device`` (default: CUDA where there is one), streaming the state layer
@@ -584,8 +598,12 @@ def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost
     default): run a cross-entropy's backward over slices of rows, with plain PyTorch's bits,
     holding two logits' bytes instead of three (capture/sliced_loss.py). A backward that builds
     a graph through the loss (create_graph=True: a gradient penalty), or one after the logits
-    were written in place, is refused with a RuntimeError: pass slice_loss=False for those."""
+    were written in place, is refused with a RuntimeError: pass slice_loss=False for those.
+    ``strict_budget`` (CUDA): limit the caching allocator to the budget while a step's forward
+    and backward run, so that cuDNN's workspaces fit what the plan leaves and no step passes
+    the budget; where a step really uses more than its plan says between layers, it runs out
+    of memory instead (Rule 8)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
     return SuperNeuronsModule(model, policy, budget, strategy, state, device, process_group,
-                              slice_loss)
+                              slice_loss, strict_budget)
