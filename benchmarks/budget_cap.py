@@ -1,6 +1,7 @@
-"""sn.wrap(..., strict_budget=True), the budget as the allocator's limit (runtime/
-allocator_cap.py), against the default, the budget held at layer boundaries: each step's peak allocated and reserved bytes beside the budget, the
-allocator's out-of-memory retries, and the speed, with the cap on and off.
+"""sn.wrap(..., strict_budget=True), the budget as the allocator's limit
+(runtime/allocator_cap.py), against the default, the budget held at layer boundaries: each
+step's peak allocated and reserved bytes beside the budget, the allocator's out-of-memory
+retries, and the speed, with the limit and without.
 
     python benchmarks/budget_cap.py OUT.json MODEL:DTYPE:RATIO [...] [--steps 8]
 

@@ -50,7 +50,7 @@ def child(name: str, dtype: str, system: str, strict: str) -> dict:
             loss.backward()
             peaks.append(torch.cuda.max_memory_allocated(device))
             optimizer.step()
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, RuntimeError) as error:     # the wrapper's own, too
         return {"ok": False, "error": str(error).splitlines()[0][:300], "peaks": peaks,
                 "plan_peak_bytes": plan.peak_bytes, "budget_bytes": budget}
     untouched = None if system == "plain" else run.plan_for(*args, **kwargs)[1] is None

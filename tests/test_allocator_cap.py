@@ -2,6 +2,8 @@
 Rule 8): held through forward and backward, the caller's limit back for the loss and the
 optimizer, holders nesting. The CPU cases fake CUDA's limit; the CUDA cases read the real one."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,9 +15,9 @@ from superneurons.runtime.allocator_cap import AllocatorCap
 from superneurons import models
 
 GiB = 1 << 30
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device machine)")
-pytestmark = pytest.mark.skipif(not hasattr(torch.cuda, "get_per_process_memory_fraction"),
-                                reason="this torch cannot read the allocator's limit")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or not allocator_cap.available(),
+    reason="needs CUDA (device machine) and a torch that reads the allocator's limit")
 
 
 class FakeLimit:
@@ -26,7 +28,7 @@ class FakeLimit:
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda index: type("Properties", (), {"total_memory": total}))
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
-                            lambda index=None: self.fraction)
+                            lambda index=None: self.fraction, raising=False)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set)
         monkeypatch.setattr(allocator_cap, "_held", {})
         monkeypatch.setattr(allocator_cap, "_reserved_bytes", lambda index: 0)
@@ -44,60 +46,122 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def _callers_limit_back():
-    """A failed CUDA case (a backward that raised keeps the limit: allocator_cap.py) leaves the
-    next cases the limit they had."""
-    before = torch.cuda.get_per_process_memory_fraction(0) if torch.cuda.is_available() else None
+    """A failed CUDA case leaves the next ones the limit they had."""
+    cuda = torch.cuda.is_available() and allocator_cap.available()
+    before = torch.cuda.get_per_process_memory_fraction(0) if cuda else None
     yield
     if before is not None:
         allocator_cap._held.clear()
         torch.cuda.set_per_process_memory_fraction(before, 0)
 
 
+class Probe(torch.autograd.Function):
+    """Doubles its input; its backward records the fake limit, runs ``during`` and raises
+    where ``fail`` says."""
+    seen, during, fail = [], None, False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        Probe.seen.append(Probe.limit.limit_bytes)
+        if Probe.during is not None:
+            Probe.during()
+        if Probe.fail:
+            raise RuntimeError("a backward that fails")
+        return grad * 2
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    Probe.limit = FakeLimit(monkeypatch)
+    Probe.seen, Probe.during, Probe.fail = [], None, False
+    return Probe
+
+
+def strict_wrapper(budget):
+    return sn.wrap(nn.Linear(2, 2), budget=budget, strict_budget=True)
+
+
 def test_holders_nest_and_the_callers_limit_comes_back(monkeypatch):
     limit = FakeLimit(monkeypatch, fraction=0.5)
     loose, strict = AllocatorCap(CUDA0, 60 * GiB), AllocatorCap(CUDA0, 20 * GiB)
-    loose.hold()
+    first = loose.hold_forward()
     assert limit.fraction == 0.5            # the caller's is stricter than 60 GiB: kept
-    strict.hold()
+    second = strict.hold_forward()
     assert limit.limit_bytes == 20 * GiB
-    loose.release()
+    loose.release(first)
     assert limit.limit_bytes == 20 * GiB    # the strict holder still runs
-    strict.release()
+    strict.release(second)
     assert limit.fraction == 0.5
-    strict.release()                        # a second release changes nothing
+    strict.release(second)                  # a second release changes nothing
     assert limit.fraction == 0.5 and allocator_cap._held == {}
 
 
-def test_a_cap_is_held_from_the_first_gradient_to_the_end_of_backward(monkeypatch):
-    limit = FakeLimit(monkeypatch)
-    cap = AllocatorCap(CUDA0, 8 * GiB)
-    seen = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(limit.limit_bytes)
-            return grad * 2
-
+def test_a_cap_is_held_from_the_first_gradient_to_the_end_of_backward(probe):
+    wrapped = strict_wrapper(8 * GiB)
     x = torch.ones(3, requires_grad=True)
-    out = {"logits": Probe.apply(x), "aux": Probe.apply(x), "count": 3}
-    cap.through_backward(out)
-    assert limit.fraction == 1.0            # nothing held between forward and backward
+    out = wrapped._capped(CUDA0, lambda: {"logits": probe.apply(x), "aux": probe.apply(x),
+                                          "input": x, "count": 3})
+    assert probe.limit.fraction == 1.0      # nothing held between forward and backward
     (out["logits"].sum() + out["aux"].sum()).backward()
-    assert seen == [8 * GiB, 8 * GiB]
-    assert limit.fraction == 1.0 and allocator_cap._held == {}
+    assert probe.seen == [8 * GiB, 8 * GiB]
+    assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
+    assert not x._backward_hooks            # a leaf returned keeps no hook for later steps
+
+
+def test_a_forward_that_raises_gives_the_limit_back(probe):
+    def fails():
+        assert probe.limit.limit_bytes == 8 * GiB
+        raise ValueError("the model's own error")
+    with pytest.raises(ValueError, match="own error"):
+        strict_wrapper(8 * GiB)._capped(CUDA0, fails)
+    assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
+
+
+def test_a_forward_run_inside_the_backward_keeps_the_backwards_limit(probe):
+    """A recomputation (torch.utils.checkpoint around the wrapped model) runs its forward
+    again inside the backward: its hold ends, the backward's stays."""
+    wrapped = strict_wrapper(8 * GiB)
+    probe.during = lambda: wrapped._capped(CUDA0, lambda: None)
+    x = torch.ones(3, requires_grad=True)
+    wrapped._capped(CUDA0, lambda: probe.apply(probe.apply(x))).sum().backward()
+    assert probe.seen == [8 * GiB, 8 * GiB]
+    assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
+
+
+def test_a_backward_that_raises_keeps_the_limit_until_the_next_forward_or_collection(probe):
+    x = torch.ones(3, requires_grad=True)
+    failing = strict_wrapper(8 * GiB)
+    probe.fail = True
+    with pytest.raises(RuntimeError, match="fails"):
+        failing._capped(CUDA0, lambda: probe.apply(x)).sum().backward()
+    assert probe.limit.limit_bytes == 8 * GiB          # no callback ran
+    probe.fail = False
+    strict_wrapper(40 * GiB)._capped(CUDA0, lambda: None)   # another wrapper, a larger budget
+    assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
+
+    probe.fail = True
+    with pytest.raises(RuntimeError, match="fails"):
+        failing._capped(CUDA0, lambda: probe.apply(x)).sum().backward()
+    del failing
+    gc.collect()
+    assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
 
 
 def test_strict_budget_is_refused_where_it_cannot_hold(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: 1.0,
+                        raising=False)
     with pytest.raises(ValueError, match="give a budget"):
         sn.wrap(nn.Linear(2, 2), strict_budget=True)
     model = sn.wrap(nn.Linear(2, 2), budget="1GiB", strict_budget=True)
     with pytest.raises(ValueError, match="on cpu: leave strict_budget off"):
         model(torch.randn(3, 2, requires_grad=True))
+    with pytest.raises(ValueError, match="runs on cpu: leave strict_budget off"):
+        sn.wrap(nn.Linear(2, 2), budget="1GiB", state="host", device="cpu",
+                strict_budget=True)
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")
     with pytest.raises(ValueError, match="cannot read the allocator's limit"):
         sn.wrap(nn.Linear(2, 2), budget="1GiB", strict_budget=True)
@@ -111,7 +175,8 @@ def _resnet(device):
 def _others(model: nn.Module, *tensors) -> int:
     """Device bytes neither ``model`` nor ``tensors`` hold: what the budget must leave beside
     the plan (cuBLAS's workspaces, made by the first matrix product, are among them)."""
-    own = sum(t.numel() * t.element_size() for t in (*model.parameters(), *tensors))
+    own = sum(t.numel() * t.element_size()
+              for t in (*model.parameters(), *model.buffers(), *tensors))
     return torch.cuda.memory_allocated() - own
 
 
@@ -129,7 +194,7 @@ def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_
     F.cross_entropy(model(x), y).backward()          # cuBLAS's workspaces exist from here
     model.zero_grad(set_to_none=True)
     budget = (floor + liveness) // 2 if policy == "superneurons" else 2 * liveness
-    budget += _others(model, x, y)
+    budget += _others(model, x)              # y is not the model's: the wrapper counts it
     total = torch.cuda.get_device_properties(0).total_memory
     caller = torch.cuda.get_per_process_memory_fraction(0)
     wrapped = sn.wrap(model, policy="superneurons", budget=budget, strict_budget=True)
@@ -157,6 +222,7 @@ def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(cudnn_ben
     """What the cap is for: without it, a convolution's workspace lifts the step's peak over
     a budget just above the step's tensors; with it, the peak stays within, though cuDNN
     chose (and with benchmark=True cached) its algorithm without the cap first."""
+    before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = cudnn_benchmark
     try:
         conv = nn.Conv2d(256, 256, 3, padding=1).cuda()
@@ -175,4 +241,4 @@ def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(cudnn_ben
             pytest.skip("cuDNN took no workspace beyond the budget even without the limit: "
                         "nothing to compare")
     finally:
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.benchmark = before

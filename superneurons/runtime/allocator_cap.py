@@ -17,15 +17,23 @@ step and whatever runs between steps keep the caller's limit: the first optimize
 its state there, and the next forward plans beside it (module Rule 3) rather than running out
 of memory inside the optimizer.
 
-A backward that raises runs no callback; the limit then stays until the next forward of a
-wrapper on that device returns.
+Holds nest, each under its own key: a forward's (a recomputation can run a wrapped forward
+inside a backward), a backward's (its graph task), other wrappers' on the same device. The
+strictest fraction applies; the caller's comes back with the last hold. A backward that raises
+runs no callback: its hold is dropped when a forward starts outside any backward, or when its
+wrapper is collected.
 """
+
+import itertools
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
 
-# per CUDA device index: (the caller's fraction, {holder id: the holder's fraction})
+# per CUDA device index: (the caller's fraction, {hold key: the holder's fraction}); a key is
+# ("forward", a number of its own) or ("backward", the graph task's id, the cap's id)
 _held: dict = {}
+_numbers = itertools.count()
 
 
 def available() -> bool:
@@ -34,19 +42,41 @@ def available() -> bool:
 
 
 class AllocatorCap:
-    """One wrapper's budget on one CUDA device, held while its steps run. Holders on the same
-    device nest: the strictest fraction applies, the caller's comes back with the last."""
+    """One wrapper's budget on one CUDA device, held while its steps run."""
 
     def __init__(self, device: torch.device, budget_bytes: int):
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.total = torch.cuda.get_device_properties(self.index).total_memory
         self.fraction = min(1.0, budget_bytes / self.total)
+        self.keys: set = set()            # this cap's holds now
+        weakref.finalize(self, _release_all, self.index, self.keys)
 
-    def hold(self) -> None:
+    def hold_forward(self):
+        """Hold for a forward; returns the key to release."""
+        if _graph_task() == -1:           # no backward runs here: a backward's hold is stale
+            for key in [k for k in _held.get(self.index, (None, {}))[1] if k[0] == "backward"]:
+                _release(self.index, key)
+        key = ("forward", next(_numbers))
+        self._hold(key)
+        return key
+
+    def release(self, key) -> None:
+        self.keys.discard(key)
+        _release(self.index, key)
+
+    def through_backward(self, out) -> None:
+        """Hold again from the first gradient that reaches ``out``'s tensors to the end of
+        that backward. Leaves are skipped: a hook on one would stay for every later step."""
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                tensor.register_hook(self._backward_begins)
+
+    def _hold(self, key) -> None:
         caller, holders = _held.get(self.index, (None, {}))
         if caller is None:
             caller = torch.cuda.get_per_process_memory_fraction(self.index)
-        holders[id(self)] = self.fraction
+        holders[key] = self.fraction
+        self.keys.add(key)
         _held[self.index] = (caller, holders)
         fraction = min([caller, *holders.values()])
         _apply(self.index, fraction)
@@ -55,26 +85,35 @@ class AllocatorCap:
         if _reserved_bytes(self.index) > fraction * self.total:
             torch.cuda.empty_cache()
 
-    def release(self) -> None:
-        caller, holders = _held.get(self.index, (None, {}))
-        if holders.pop(id(self), None) is None:
-            return
-        _apply(self.index, min([caller, *holders.values()]))
-        if not holders:
-            del _held[self.index]
-
-    def through_backward(self, out) -> None:
-        """Hold again from the first gradient that reaches ``out``'s tensors to the end of
-        that backward."""
-        for tensor in pytree.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(self._backward_begins)
-
     def _backward_begins(self, grad):
-        if id(self) not in _held.get(self.index, (None, {}))[1]:
-            self.hold()
-            torch.autograd.Variable._execution_engine.queue_callback(self.release)
+        key = ("backward", _graph_task(), id(self))
+        if key not in _held.get(self.index, (None, {}))[1]:
+            self._hold(key)
+            # queued from a callback, the release runs after the callbacks the backward's own
+            # hooks queue (the host-state tier's last gradient round: state.py)
+            queue = torch.autograd.Variable._execution_engine.queue_callback
+            queue(lambda: queue(lambda: self.release(key)))
         return None
+
+
+def _graph_task() -> int:
+    """The id of the backward running on this thread, -1 where none does."""
+    return torch._C._current_graph_task_id()
+
+
+def _release(index: int, key) -> None:
+    caller, holders = _held.get(index, (None, {}))
+    if holders.pop(key, None) is None:
+        return
+    _apply(index, min([caller, *holders.values()]))
+    if not holders:
+        del _held[index]
+
+
+def _release_all(index: int, keys: set) -> None:
+    for key in list(keys):
+        _release(index, key)
+    keys.clear()
 
 
 def _reserved_bytes(index: int) -> int:

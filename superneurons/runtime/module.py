@@ -116,6 +116,9 @@ class SuperNeuronsModule(nn.Module):
         self.compute_device = None                                      # Rule 6
         if self.state == "host":
             self.compute_device = _compute_device(device)
+            if self.strict_budget and self.compute_device.type != "cuda":
+                raise ValueError(f"strict_budget limits CUDA's caching allocator; this model "
+                                 f"runs on {self.compute_device}: leave strict_budget off")
             check_state_tier(model)
             check = lambda: check_state_fits(model, self.compute_device)  # host_memory Rule 1
             if process_group is None:
@@ -384,7 +387,17 @@ class SuperNeuronsModule(nn.Module):
             torch.cuda.reset_peak_memory_stats(device)
         self._last = (plan, executor, device, made)
         if executor is None:
-            return self._capped(device, lambda: self.model(*args, **kwargs))     # Rule 8
+            try:
+                return self._capped(device, lambda: self.model(*args, **kwargs))  # Rule 8
+            except torch.OutOfMemoryError as error:
+                if not self.strict_budget:
+                    raise
+                raise RuntimeError(
+                    f"out of device memory in an untouched step under strict_budget (budget "
+                    f"{format_bytes(self.budget_bytes)}): the model's real use passed its plan "
+                    "between layers, and the allocator is limited to the budget. Raise the "
+                    "budget, or leave strict_budget off (the step may then pass the budget "
+                    "there)") from error
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
@@ -403,9 +416,11 @@ class SuperNeuronsModule(nn.Module):
                 f"out of device memory inside a superneurons step (policy {plan.policy}, budget "
                 f"{format_bytes(executor.budget_bytes)}): something outside the plan holds memory "
                 "(other tensors, another process, fragmentation). The optimizer has not "
-                "stepped (running statistics this forward updated have moved); lower the budget "
-                "or the batch, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True") \
-                from error
+                "stepped (running statistics this forward updated have moved); " +
+                ("raise the budget or leave strict_budget off (it limits the allocator to the "
+                 "budget, memory it holds free included)" if self.strict_budget else
+                 "lower the budget or the batch, or set "
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")) from error
 
     def _capped(self, device: torch.device, forward):
         """``forward()`` and the backward of what it returns under the budget (Rule 8)."""
@@ -417,11 +432,11 @@ class SuperNeuronsModule(nn.Module):
         cap = self._caps.get(device)
         if cap is None:
             cap = self._caps[device] = AllocatorCap(device, self.budget_bytes)
-        cap.hold()
+        key = cap.hold_forward()
         try:
             out = forward()
         finally:
-            cap.release()
+            cap.release(key)
         cap.through_backward(out)
         return out
 
