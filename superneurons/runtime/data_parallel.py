@@ -12,9 +12,10 @@ Rule 2: before a forward, buffers are broadcast from rank 0 where DDP's default
 Rule 3: in a synced backward, each parameter's gradient, once final on the device, joins a
         bucket (one dtype, about REDUCE_BUCKET_BYTES); a full bucket is multiplied by 1/world
         size and summed over the group (one all-reduce) before its gradients go to host
-        memory: DDP's reducer does the same (at::mul_out by 1/world, then SUM). A parameter that already holds a gradient (micro-batches without no_sync) has
-        it added first, as AccumulateGrad adds it before DDP reads .grad, and the result
-        replaces .grad. With two ranks a sum is one addition, so the result is DDP's bit for
+        memory: DDP's reducer does the same (at::mul_out by 1/world, then SUM). A parameter
+        that already holds a gradient (micro-batches without no_sync) has it added first, as
+        AccumulateGrad adds it before DDP reads .grad, and the result replaces .grad. With two
+        ranks a sum is one addition, so the result is DDP's bit for
         bit; with more, both leave the order of the sum to the backend.
 Rule 4: collectives run in one fixed order on every rank, the parameters' reverse registration
         order (DDP's first buckets), not in the order backward delivers gradients (a plan's

@@ -67,7 +67,9 @@ from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor
-from .room import foreign_bytes
+from .room import budget_left, foreign_bytes, reads_device_memory, untouched_holds
+from .calls import call_key, compute_device, moved_to, on_meta
+from .checkpoint_keys import own_keys, wrapper_keys
 from .allocator_cap import AllocatorCap, available as cap_available
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
@@ -115,7 +117,7 @@ class SuperNeuronsModule(nn.Module):
         self.state = parse_state(state)
         self.compute_device = None                                      # Rule 6
         if self.state == "host":
-            self.compute_device = _compute_device(device)
+            self.compute_device = compute_device(device)
             if self.strict_budget and self.compute_device.type != "cuda":
                 raise ValueError(f"strict_budget limits CUDA's caching allocator; this model "
                                  f"runs on {self.compute_device}: leave strict_budget off")
@@ -141,8 +143,8 @@ class SuperNeuronsModule(nn.Module):
         self.max_plans = MAX_PLANS
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
-        self.register_state_dict_post_hook(_own_keys)
-        self.register_load_state_dict_pre_hook(_wrapper_keys)
+        self.register_state_dict_post_hook(own_keys)
+        self.register_load_state_dict_pre_hook(wrapper_keys)
 
     def _init_plans(self) -> None:
         self._executors: OrderedDict = OrderedDict()   # call key -> (plan, executor or None)
@@ -166,7 +168,7 @@ class SuperNeuronsModule(nn.Module):
     def _planned(self, args, kwargs):
         """(the call's key, plan_for's answer, the bytes on the device the model does not own
         where this call read them, else None: the step's executor takes that reading)."""
-        tensors, key = _call_key(args, kwargs)
+        tensors, key = call_key(args, kwargs)
         device = self._device(tensors)
         autocast = autocast_state(device.type)
         structure, parameters = self.structure.read()
@@ -303,7 +305,7 @@ class SuperNeuronsModule(nn.Module):
 
     def _make(self, key, args, kwargs, tensors: list, device, autocast, packed: bool = False):
         if self.state == "host":                                        # Rule 6
-            args, kwargs = _on_meta((args, kwargs))
+            args, kwargs = on_meta((args, kwargs))
             self._keep_state_of(None)          # before foreign bytes are read below
         began = time.perf_counter()
         graph = capture(self.model, Arguments(args), autocast, kwargs,
@@ -374,7 +376,7 @@ class SuperNeuronsModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.compute_device is not None:                             # Rule 6
-            args, kwargs = _moved_to((args, kwargs), self.compute_device)
+            args, kwargs = moved_to((args, kwargs), self.compute_device)
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
@@ -499,18 +501,6 @@ class SuperNeuronsModule(nn.Module):
                          executor.tier.moved_bytes if executor.tier is not None else 0, **made)
 
 
-def reads_device_memory(device: torch.device) -> bool:
-    """Whether the device's allocator says what is allocated, so that memory the model does not
-    own can be counted against the budget: CUDA's."""
-    return device.type == "cuda"
-
-
-def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bool:
-    """Rule 2 at every step: the untouched (liveness) plan still fits the budget beside the
-    ``foreign`` bytes the model does not own now (optimizer state made since the decision)."""
-    return plan_peak_bytes + foreign <= budget_bytes
-
-
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
     """Rule 5 for a wrapper Python collects. An executor with a step in flight is left to that
     step: autograd keeps its saved-tensor hooks, the executor's own methods, so the executor
@@ -523,81 +513,6 @@ def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
     plans.clear()
     fallbacks.clear()
     retiring.clear()
-
-
-def budget_left(budget: int, others: int, device) -> int:
-    """What a budget leaves the model once ``others`` bytes on the device are not its own."""
-    if others >= budget:
-        raise ValueError(
-            f"tensors the model does not own already hold {format_bytes(others)} on {device}, "
-            f"all of the budget of {format_bytes(budget)}: free them (optimizer state of "
-            "another model, cached batches) or raise the budget above "
-            f"{format_bytes(others)} plus what the model needs")
-    return budget - others
-
-
-def _call_key(args: tuple, kwargs: dict) -> tuple:
-    """(the call's tensors, a key that differs wherever a plan could): tensors by shape, dtype,
-    device and requires_grad, anything else by value (a graph specializes on it)."""
-    leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
-    tensors, key = [], []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            key.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
-        else:
-            try:
-                hash(leaf)
-                key.append((type(leaf), leaf))
-            except TypeError:
-                key.append((type(leaf), repr(leaf)))
-    return tensors, (spec, tuple(key))
-
-
-def _own_keys(module, state_dict, prefix, local_metadata) -> None:
-    inner = prefix + "model."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:           # the modules' versions, under the model's own names
-        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
-            metadata[(prefix + key[len(inner):]).rstrip(".")] = metadata.pop(key)
-
-
-def _wrapper_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
-                  errors) -> None:
-    # only the model's own keys move under "model.": a model may have a child named "model"
-    # itself (HF's LlamaForCausalLM), whose keys already start so
-    own = set(module.model.state_dict(keep_vars=True))
-    for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] in own]:
-        state_dict[prefix + "model." + key[len(prefix):]] = state_dict.pop(key)
-
-
-def _compute_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must name a device such as 'cuda' or 'cuda:1', not "
-                         f"{device!r}") from error
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _on_meta(tree):
-    """The call as capture sees it with state on the host: tensors on the meta device, which
-    capture takes for the model's own (host) device (Rule 6)."""
-    def meta(t):
-        return t.detach().to("meta").requires_grad_(t.requires_grad)
-    return pytree.tree_map_only(torch.Tensor, meta, tree)
-
-
-def _moved_to(tree, device: torch.device):
-    def move(t):
-        return t if t.device == device else t.to(device, non_blocking=True)
-    return pytree.tree_map_only(torch.Tensor, move, tree)
 
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",

@@ -2,10 +2,12 @@
 less the plan's bytes outside the pool, the calibrated excess of real use over the plan and the
 device memory the model does not own; and, in forward, the copies the room of the layers ahead
 will need, started early. A part of the Executor (it reads the executor's plan, pool and
-calibration); the executor runs the layers."""
+calibration); the executor runs the layers. The memory the model does not own is read here for
+the wrapper too (module Rules 2 and 3)."""
 
 import torch
 
+from ..units import format_bytes
 from .calibration import allocated_bytes
 
 # executor Rule 8 looks at most this many layers ahead: a bound on the host time it adds to
@@ -33,6 +35,29 @@ def foreign_bytes(graph, inputs: list, device: torch.device, parameters=None,
         known += graph.param_bytes + graph.buffer_bytes + sum(
             p.grad.numel() * p.grad.element_size() for p in parameters if p.grad is not None)
     return max(0, allocated_bytes(device) - known)
+
+
+def reads_device_memory(device: torch.device) -> bool:
+    """Whether the device's allocator says what is allocated, so that memory the model does not
+    own can be counted against the budget: CUDA's."""
+    return device.type == "cuda"
+
+
+def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bool:
+    """module Rule 2 at every step: the untouched (liveness) plan still fits the budget beside
+    the ``foreign`` bytes the model does not own now (optimizer state made since the decision)."""
+    return plan_peak_bytes + foreign <= budget_bytes
+
+
+def budget_left(budget: int, others: int, device) -> int:
+    """What a budget leaves the model once ``others`` bytes on the device are not its own."""
+    if others >= budget:
+        raise ValueError(
+            f"tensors the model does not own already hold {format_bytes(others)} on {device}, "
+            f"all of the budget of {format_bytes(budget)}: free them (optimizer state of "
+            "another model, cached batches) or raise the budget above "
+            f"{format_bytes(others)} plus what the model needs")
+    return budget - others
 
 
 class RangeMax:
