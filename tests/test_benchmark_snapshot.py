@@ -6,6 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from snapshot_peak import peak  # noqa: E402
+from diagnose_peak import layer_at  # noqa: E402
 
 
 def _event(action, addr, size, where):
@@ -26,3 +27,9 @@ def test_the_peak_and_what_was_live_then():
 def test_an_empty_history_has_no_peak():
     found = peak({"device_traces": [[]]})
     assert found["peak_above_start_bytes"] == 0 and found["live_at_peak"] == []
+
+
+def test_the_layer_running_at_a_time():
+    times = [(10, "conv1"), (20, "bn1"), (35, "relu")]
+    assert layer_at(times, 25) == "bn1" and layer_at(times, 35) == "relu"
+    assert layer_at(times, 5) is None and layer_at(times, None) is None

@@ -1,0 +1,83 @@
+"""Where a wrapped step's real peak lies between layer boundaries: the allocator's own trace of
+one step (torch.cuda.memory._record_memory_history), walked to its highest point by
+snapshot_peak.py, with the layer the executor called last before it.
+
+    python benchmarks/diagnose_peak.py OUT.json --network resnet50:88 [--budget 1.5GiB]
+        [--cap-gib 2] [--steps 4] [--strict]
+
+As steady.py runs a network (the cap, SGD with momentum, a fresh process); the last step is
+traced. Run it under two runtimes (PYTHONPATH) to see what moved a peak.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+def layer_at(times: list, time_us) -> str | None:
+    """The layer whose call began last at or before ``time_us`` (``times``: (µs, name))."""
+    before = [name for began, name in times if time_us is not None and began <= time_us]
+    return before[-1] if before else None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--network", default="resnet50:88")
+    parser.add_argument("--budget", default="1.5GiB")
+    parser.add_argument("--cap-gib", type=float, default=2.0)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--strict", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    import superneurons as sn
+    from superneurons.runtime import executor as executor_module
+    from common import cap_memory, environment, make, sgd, sgd_step, write
+    from snapshot_peak import peak
+
+    name, batch = args.network.split(":")
+    cap_memory(args.cap_gib or None)
+    torch.manual_seed(0)
+    model, x, y = make(name, int(batch), "cuda")
+    # a runtime from before strict_budget takes no such argument
+    wrapped = sn.wrap(model, budget=args.budget, **({"strict_budget": True} if args.strict else {}))
+    optimizer = sgd(model)
+    # (µs, layer name) as the executor calls each layer: forward's and replays' (autograd runs
+    # the backward's own kernels, so there it names the layer called last)
+    times = []
+    call = executor_module.Executor._call
+
+    def timed_call(self, layer, *rest, **options):
+        times.append((time.time_ns() // 1000, layer.name))
+        return call(self, layer, *rest, **options)
+    steps = []
+    for step in range(1, args.steps + 1):
+        last = step == args.steps
+        if last:
+            executor_module.Executor._call = timed_call
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        sgd_step(wrapped, optimizer, x, y)
+        torch.cuda.synchronize()
+        steps.append({"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+                      "offloaded_bytes": wrapped.stats.offloaded_bytes})
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    executor_module.Executor._call = call
+    found = peak(snapshot)
+    at = found["peak_event"]
+    time_us = snapshot["device_traces"][0][at].get("time_us") if at is not None else None
+    record = {**environment(), "network": args.network, "budget": args.budget,
+              "budget_bytes": wrapped.budget_bytes, "cap_gib": args.cap_gib,
+              "strict_budget": args.strict, "runtime": os.path.dirname(sn.__file__),
+              "steps": steps, "allocated_when_tracing_began": base,
+              "layer_at_peak": layer_at(times, time_us), **found}
+    write(args.out, record)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
