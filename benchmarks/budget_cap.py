@@ -22,11 +22,10 @@ WARMUP = 2
 
 
 def child(name: str, dtype: str, ratio: float, steps: int) -> dict:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     from common import torch_settings
     from ratio import BATCH, SEQUENCE, prepare, recorded_plain_peak
-    torch_settings()
+    torch_settings()                 # expandable segments, no TF32: before any CUDA work
     device = torch.device("cuda", 0)
     run, step_once, cap, _ = prepare(name, dtype, "superneurons", ratio,
                                      recorded_plain_peak(name, dtype), device)

@@ -21,13 +21,12 @@ STEPS = 3
 
 
 def child(name: str, dtype: str, system: str, strict: str) -> dict:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
     from superneurons.runtime.room import foreign_bytes
     from common import torch_settings
     from ratio import build
-    torch_settings()
+    torch_settings()                 # expandable segments, no TF32: before any CUDA work
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
     model, args, kwargs, loss_of = build(name, "plain", device)
