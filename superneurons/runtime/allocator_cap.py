@@ -37,8 +37,10 @@ _numbers = itertools.count()
 
 
 def available() -> bool:
-    """Whether this torch can say what the caller's own limit was, to give it back."""
-    return hasattr(torch.cuda, "get_per_process_memory_fraction")
+    """Whether this torch can say what the caller's own limit was, to give it back, and which
+    backward runs (to key its hold)."""
+    return hasattr(torch.cuda, "get_per_process_memory_fraction") and \
+        hasattr(torch._C, "_current_graph_task_id")
 
 
 class AllocatorCap:
