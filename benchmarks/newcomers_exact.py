@@ -1,6 +1,9 @@
-"""Two models nobody here wrote, outside the test matrix, trained under each policy against
-plain PyTorch: torchvision shufflenet_v2_x0_5 (channel shuffles: views, transposes, chunks) and
-HF RobertaForMaskedLM from a small config (dropout, its own loss, which superneurons slices).
+"""Models nobody here wrote, outside the test matrix, trained under each policy against plain
+PyTorch: torchvision shufflenet_v2_x0_5 (channel shuffles: views, transposes, chunks), HF
+RobertaForMaskedLM from a small config (dropout, its own loss, which superneurons slices), timm
+mobilevit_xxs (unfold and fold around attention, drop path), HF
+DistilBertForSequenceClassification (a padded attention mask, dropout, its own loss) and
+torchvision's lraspp_mobilenet_v3_large segmenter (a dict output, a per-pixel loss).
 3 AdamW steps from the same start and seed; losses and every parameter and buffer compared bit
 for bit. Policies: offload, recompute, superneurons at its floor and at a budget halfway to
 liveness (where the pool starts copies ahead of need, executor Rule 8).
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import superneurons as sn
-from common import write
+from common import environment, write
 
 STEPS = 3
 
@@ -42,6 +45,44 @@ def roberta():
     return model, (), {"input_ids": ids, "labels": labels}, lambda out: out.loss
 
 
+def mobilevit():
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("mobilevit_xxs", pretrained=False, num_classes=10,
+                              drop_path_rate=0.1).train()
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
+    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+
+
+def distilbert():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.DistilBertConfig(vocab_size=100, dim=32, n_layers=2, n_heads=2,
+                                           hidden_dim=64, max_position_embeddings=64,
+                                           dropout=0.1, attention_dropout=0.1,
+                                           seq_classif_dropout=0.2, num_labels=3)
+    model = transformers.DistilBertForSequenceClassification(config).train()
+    ids = torch.randint(1, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, -5:] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}
+    return model, (), kwargs, lambda out: out.loss
+
+
+def lraspp():
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.segmentation.lraspp_mobilenet_v3_large(
+        weights=None, weights_backbone=None, num_classes=10).train()
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2, 64, 64))
+    return model, (x,), {}, lambda out: F.cross_entropy(out["out"], y)
+
+
+MODELS = {"torchvision shufflenet_v2_x0_5": shufflenet, "HF RobertaForMaskedLM": roberta,
+          "timm mobilevit_xxs": mobilevit, "HF DistilBertForSequenceClassification": distilbert,
+          "torchvision lraspp_mobilenet_v3_large": lraspp}
+
+
 def train(model, run, args, kwargs, loss_of) -> list:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
@@ -57,8 +98,7 @@ def train(model, run, args, kwargs, loss_of) -> list:
 
 def main():
     rows = []
-    for name, make in (("torchvision shufflenet_v2_x0_5", shufflenet),
-                       ("HF RobertaForMaskedLM", roberta)):
+    for name, make in MODELS.items():
         base, args, kwargs, loss_of = make()
         floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
         liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
@@ -77,7 +117,8 @@ def main():
                          "bit_identical": same, "offloaded_bytes": stats.offloaded_bytes,
                          "recomputed_layers": stats.recomputed_layers})
             print(rows[-1], flush=True)
-    write(os.path.join(sys.argv[1], "newcomers_exact.json"), {"steps": STEPS, "rows": rows})
+    write(os.path.join(sys.argv[1], "newcomers_exact.json"),
+          {**environment(), "steps": STEPS, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ went over the budget and where one ran out of memory.
 
     python benchmarks/steady.py OUT_DIR --network resnet50:896 --network densenet121:800 \
         [--steps 1000] [--seconds S] [--budget 11.5GiB] [--cap-gib 12] [--device cuda] \
+        [--strict-budget] \
         [--image-size PX]
 
 Writes OUT_DIR/steady_<network>_<batch>.json per network, rewritten as the run goes, so a
@@ -90,12 +91,14 @@ def measure(args, network: str, batch: int, path: str) -> None:
     torch.manual_seed(SEED)
     built = time.perf_counter()
     model, x, y = make(network, batch, args.device, image=args.image_size)
-    wrapped = sn.wrap(model, budget=args.budget)
+    wrapped = sn.wrap(model, budget=args.budget,
+                      **({"strict_budget": True} if args.strict_budget else {}))
     optimizer = sgd(model)     # momentum buffers appear in step 1 and stay
     steps = {field: [] for field in FIELDS}
     record = {"network": network, "batch": batch, "steps_asked": args.steps,
               **({} if cuda else {"device": "cpu"}),     # not the host's GPU, if it has one
               "budget": args.budget, "cap_gib": args.cap_gib if cuda else None,
+              "strict_budget": args.strict_budget,
               "seconds_limit": args.seconds, "image_size": args.image_size, "seed": SEED,
               "build_seconds": time.perf_counter() - built, "stopped": "running", "steps": steps}
     out_of_memory = None
@@ -164,6 +167,7 @@ def run_in_child(args, network: str, batch: int) -> dict:
     command = [sys.executable, os.path.abspath(__file__), args.out, "--child",
                "--network", f"{network}:{batch}", "--steps", str(args.steps),
                "--budget", args.budget, "--cap-gib", str(args.cap_gib),
+               *(["--strict-budget"] * args.strict_budget),
                "--device", args.device, *(["--seconds", str(args.seconds)] * bool(args.seconds)),
                *(["--image-size", str(args.image_size)] * bool(args.image_size))]
     try:
@@ -227,6 +231,9 @@ def main(argv=None) -> list:
     parser.add_argument("--seconds", type=float, default=None, help="per network")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--image-size", type=int, default=None, help="the zoo's own if unset")
+    parser.add_argument("--strict-budget", action="store_true",
+                        help="sn.wrap(..., strict_budget=True): the allocator limited to "
+                             "the budget")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     networks = [(name, int(batch)) for name, batch in (n.split(":") for n in args.network)]
