@@ -13,7 +13,6 @@ first two steps are warm-up; speed is the median of the rest.
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -67,20 +66,15 @@ def main():
         print(json.dumps(child(name, dtype, float(ratio), int(steps))), flush=True)
         return
     sys.path.insert(0, HERE)
-    from common import environment, write
+    from common import run_child, write
     out, configs = sys.argv[1], [a for a in sys.argv[2:] if ":" in a]
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8
-    record = {**environment(), "warmup_steps": WARMUP, "rows": []}
+    record = {"warmup_steps": WARMUP, "rows": []}
     for config in configs:
         name, dtype, ratio = config.split(":")
         for switch in ("1", "0"):
-            environment_ = {**os.environ, "RATIO_STRICT_BUDGET": switch}
-            done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio,
-                                   str(steps)], cwd=HERE, capture_output=True, text=True,
-                                  timeout=300, env=environment_)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            row = json.loads(lines[-1]) if lines else \
-                {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
+            row = run_child([sys.executable, __file__, "--child", name, dtype, ratio, str(steps)],
+                            300, cwd=HERE, env={**os.environ, "RATIO_STRICT_BUDGET": switch})
             row = {"model": name, "dtype": dtype, "ratio": float(ratio),
                    "strict_budget": switch == "1", **row}
             record["rows"].append(row)

@@ -12,6 +12,7 @@ import datetime
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -104,6 +105,22 @@ def calibration_of(wrapped) -> dict:
         layer = executor.graph.layers[order[step] if step < n else order[2 * n - 1 - step]]
         row["seen_excess_at"] = f"{'forward' if step < n else 'backward'} {layer.name}"
     return row
+
+
+def run_child(command: list, timeout: float, cwd: str | None = None, env=None) -> dict:
+    """A measuring child process's result: the last JSON object line it printed, else
+    {"ok": False, "error": why} (its exit and the end of its stderr, or the time limit), so that
+    one config that fails or hangs does not end a sweep."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"no result within {timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"ok": False, "error": f"process ended with {done.returncode}: "
+                                      f"{done.stderr.strip()[-600:]}"}
+    return json.loads(lines[-1])
 
 
 def write(path: str, record: dict, quiet: bool = False) -> None:

@@ -15,16 +15,10 @@ import sys
 import time
 from collections import defaultdict
 
+from snapshot_peak import where
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 6
-
-
-def _where(frames: list) -> str:
-    ours = [f for f in frames if "superneurons" in f["filename"]]
-    theirs = [f for f in frames if "torch/" in f["filename"] or "torchvision" in f["filename"]]
-    picked = ours[:2] + theirs[:1] or frames[:2]
-    return " | ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
-                      for f in picked)
 
 
 def _live_blocks() -> dict:
@@ -33,7 +27,7 @@ def _live_blocks() -> dict:
     for segment in torch.cuda.memory._snapshot()["segments"]:
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                groups[_where(block.get("frames", []))] += block["size"]
+                groups[where(block.get("frames", []), ("torch/", "torchvision"))] += block["size"]
     return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:25])
 
 

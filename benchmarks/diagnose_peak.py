@@ -33,7 +33,7 @@ def main():
     import torch
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
-    from common import cap_memory, environment, make, sgd, sgd_step, write
+    from common import cap_memory, make, sgd, sgd_step, write
     from snapshot_peak import peak
 
     name, batch = args.network.split(":")
@@ -70,7 +70,7 @@ def main():
     found = peak(snapshot)
     at = found["peak_event"]
     time_us = snapshot["device_traces"][0][at].get("time_us") if at is not None else None
-    record = {**environment(), "network": args.network, "budget": args.budget,
+    record = {"network": args.network, "budget": args.budget,
               "budget_bytes": wrapped.budget_bytes, "cap_gib": args.cap_gib,
               "strict_budget": args.strict, "runtime": os.path.dirname(sn.__file__),
               "steps": steps, "allocated_when_tracing_began": base,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import superneurons as sn
-from common import environment, write
+from common import write
 
 STEPS = 3
 
@@ -118,7 +118,7 @@ def main():
                          "recomputed_layers": stats.recomputed_layers})
             print(rows[-1], flush=True)
     write(os.path.join(sys.argv[1], "newcomers_exact.json"),
-          {**environment(), "steps": STEPS, "rows": rows})
+          {"steps": STEPS, "rows": rows})
 
 
 if __name__ == "__main__":

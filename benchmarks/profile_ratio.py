@@ -11,7 +11,6 @@ plain peak in results/ratio_MODEL_DTYPE.json. Each config runs in a fresh proces
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -78,16 +77,13 @@ def main():
         print(json.dumps(child(name, dtype, float(ratio), system)))
         return
     sys.path.insert(0, HERE)
-    from common import write
+    from common import run_child, write
     rows = []
     for config in sys.argv[2:]:
         name, dtype, ratio, *system = config.split(":")
-        done = subprocess.run([sys.executable, __file__, "--child", name, dtype, ratio,
-                               (system or ["superneurons"])[0]],
-                              cwd=HERE, capture_output=True, text=True, timeout=300)
-        lines = done.stdout.strip().splitlines()
-        rows.append(json.loads(lines[-1]) if done.returncode == 0 and lines else
-                    {"config": config, "error": done.stderr[-1500:]})
+        row = run_child([sys.executable, __file__, "--child", name, dtype, ratio,
+                         (system or ["superneurons"])[0]], 300, cwd=HERE)
+        rows.append(row if "error" not in row else {"config": config, **row})
         print(json.dumps(rows[-1])[:400], flush=True)
         write(os.path.join(sys.argv[1], "profile_ratio.json"), {"rows": rows}, quiet=True)
 

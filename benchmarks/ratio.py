@@ -27,7 +27,6 @@ import fcntl
 import glob
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -212,18 +211,10 @@ class GpuLock:
 
 
 def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECONDS) -> dict:
+    from common import run_child
     command = [sys.executable, os.path.abspath(__file__), "--child", name, dtype, system,
                str(ratio or 0), str(plain_peak or 0), str(steps)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              cwd=os.path.dirname(os.path.abspath(__file__)))
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"no result within {timeout} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return {"ok": False, "error": f"process ended with {done.returncode}: "
-                                      f"{done.stderr.strip()[-300:]}"}
-    return json.loads(lines[-1])
+    return run_child(command, timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: int = 1) -> dict:

@@ -13,11 +13,14 @@ import sys
 from collections import defaultdict
 
 
-def _where(frames: list) -> str:
-    """The innermost frames of this project and of the model's library, else the innermost."""
+LIBRARIES = ("transformers", "torchvision", "torch/nn", "torch/autograd")
+
+
+def where(frames: list, libraries=LIBRARIES) -> str:
+    """The innermost frames of this project and of the model's library (a path containing one
+    of ``libraries``), else the innermost."""
     ours = [f for f in frames if "superneurons" in f["filename"]]
-    model = [f for f in frames if "transformers" in f["filename"] or "torch/nn" in f["filename"]
-             or "torch/autograd" in f["filename"]]
+    model = [f for f in frames if any(name in f["filename"] for name in libraries)]
     picked = (ours[:2] + model[:1]) or frames[:2]
     return " | ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
                       for f in picked)
@@ -36,7 +39,7 @@ def peak(snapshot: dict, device: int = 0) -> dict:
             best, at, held = current, index, dict(live)
     groups = defaultdict(lambda: [0, 0])
     for event in held.values():
-        group = groups[_where(event.get("frames", []))]
+        group = groups[where(event.get("frames", []))]
         group[0] += event["size"]
         group[1] += 1
     top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:40]

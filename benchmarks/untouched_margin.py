@@ -13,7 +13,6 @@ backward.
 
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,18 +62,14 @@ def main():
         print(json.dumps(child(*sys.argv[2:6])), flush=True)
         return
     sys.path.insert(0, HERE)
-    from common import environment, write
+    from common import run_child, write
     out = sys.argv[1]
-    record = {**environment(), "steps": STEPS, "rows": []}
+    record = {"steps": STEPS, "rows": []}
     for config in sys.argv[2:]:
         name, dtype = config.split(":")
         for system, switch in (("plain", "1"), ("wrapped", "1"), ("wrapped", "0")):
-            done = subprocess.run([sys.executable, __file__, "--child", name, dtype, system,
-                                   switch], cwd=HERE, capture_output=True, text=True,
-                                  timeout=240)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            row = json.loads(lines[-1]) if lines else \
-                {"ok": False, "error": f"exit {done.returncode}: {done.stderr[-600:]}"}
+            row = run_child([sys.executable, __file__, "--child", name, dtype, system, switch],
+                            240, cwd=HERE)
             row = {"model": name, "dtype": dtype, "system": system,
                    "strict_budget": system != "plain" and switch == "1", **row}
             record["rows"].append(row)

@@ -11,7 +11,7 @@ import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, BENCHMARKS)
-from common import largest, write  # noqa: E402
+from common import largest, run_child, write  # noqa: E402
 
 
 def test_a_record_is_replaced_whole(tmp_path):
@@ -20,6 +20,15 @@ def test_a_record_is_replaced_whole(tmp_path):
     write(str(path), {"results": {"a": 2}}, quiet=True)
     assert json.loads(path.read_text())["results"] == {"a": 2}
     assert os.listdir(tmp_path) == ["part.json"]            # no temporary file left behind
+
+
+def test_a_child_gives_its_last_record_or_why_it_has_none():
+    python = sys.executable
+    assert run_child([python, "-c", "print('{\"a\": 1}'); print('{\"a\": 2}')"], 30) == {"a": 2}
+    failed = run_child([python, "-c", "import sys; sys.exit('broken')"], 30)
+    assert not failed["ok"] and "ended with 1: broken" in failed["error"]
+    hung = run_child([python, "-c", "import time; time.sleep(30)"], 0.5)
+    assert not hung["ok"] and "no result within 0.5 s" in hung["error"]
 
 
 def test_every_probe_is_logged_with_its_outcome(capsys):

@@ -97,3 +97,20 @@ def test_a_new_process_reads_the_rates_instead_of_measuring(tmp_path, monkeypatc
     machine._MEASURED.clear()                                # as a new process starts
     monkeypatch.setattr(machine, "_measure", lambda device: pytest.fail("measured again"))
     assert machine_of(device) == first
+
+
+def test_the_disk_key_names_the_device_the_libraries_and_tf32(monkeypatch):
+    """Rates measured on another device, with other libraries or another TF32 setting are not
+    read back."""
+    from superneurons.runtime import machine
+    properties = type("Properties", (), {"name": "GPU", "uuid": "u-1", "total_memory": 80})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    key = machine._disk_key(0, (False, False))
+    assert key == machine._disk_key(0, (False, False))
+    assert key != machine._disk_key(0, (True, False))
+    properties.uuid = "u-2"
+    assert key != machine._disk_key(0, (False, False))
+    properties.uuid = "u-1"
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert key != machine._disk_key(0, (False, False))

@@ -143,9 +143,9 @@ def test_a_layer_retried_after_its_allocation_failed_trains_exactly(monkeypatch)
 
 
 def test_range_max_agrees_with_max():
-    from superneurons.runtime.room import RangeMax as _RangeMax
+    from superneurons.runtime.room import RangeMax
     values = [(i * 7919) % 101 for i in range(300)]
-    table = _RangeMax(values)
+    table = RangeMax(values)
     for first in range(0, 300, 7):
         for last in range(first, 300, 13):
             assert table(first, last) == max(values[first:last + 1])
