@@ -3,7 +3,7 @@ one step (torch.cuda.memory._record_memory_history), walked to its highest point
 snapshot_peak.py, with the layer the executor called last before it.
 
     python benchmarks/diagnose_peak.py OUT.json --network resnet50:88 [--budget 1.5GiB]
-        [--cap-gib 2] [--steps 4] [--strict]
+        [--cap-gib 2] [--steps 4] [--strict] [--without copies-ahead|free-behind-wait]
 
 As steady.py runs a network (the cap, SGD with momentum, a fresh process); the last step is
 traced. Run it under two runtimes (PYTHONPATH) to see what moved a peak.
@@ -20,6 +20,42 @@ def layer_at(times: list, time_us) -> str | None:
     return before[-1] if before else None
 
 
+def _without_copies_ahead():
+    """Executor Rule 8 undone: no copies are started for the room of layers ahead."""
+    from superneurons.runtime.executor import Executor
+    Executor._offload_ahead = lambda self, *position: None
+
+
+def _without_free_behind_wait():
+    """Mover Rule 3 undone: room needed now waits on the host for the copies in flight."""
+    from superneurons.runtime.mover import Mover
+    Mover.reuse_after = lambda self, event: event.synchronize()
+
+
+WITHOUT = {"copies-ahead": _without_copies_ahead, "free-behind-wait": _without_free_behind_wait}
+
+
+def described(event: dict) -> dict:
+    """An allocation's bytes and its innermost frames (C++ ones too: a cuDNN workspace is
+    named only there)."""
+    return {"bytes": event["size"],
+            "frames": [f"{f['name']} {f['filename'].rsplit('/', 1)[-1]}:{f['line']}"
+                       for f in event.get("frames", [])[:14]]}
+
+
+def largest_live(trace: list, at: int | None, count: int = 8) -> list:
+    """The ``count`` largest blocks allocated within the trace and live at event ``at``."""
+    if at is None:
+        return []
+    live = {}
+    for event in trace[:at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
+    return sorted(live.values(), key=lambda e: -e["size"])[:count]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -28,6 +64,8 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--strict", action="store_true")
+    parser.add_argument("--without", action="append", default=[], choices=sorted(WITHOUT),
+                        help="run with one of the runtime's rules undone, to see its effect")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -35,6 +73,8 @@ def main():
     from superneurons.runtime import executor as executor_module
     from common import cap_memory, make, sgd, sgd_step, write
     from snapshot_peak import peak
+    for rule in args.without:
+        WITHOUT[rule]()
 
     name, batch = args.network.split(":")
     cap_memory(args.cap_gib or None)
@@ -69,12 +109,16 @@ def main():
     executor_module.Executor._call = call
     found = peak(snapshot)
     at = found["peak_event"]
-    time_us = snapshot["device_traces"][0][at].get("time_us") if at is not None else None
+    trace = snapshot["device_traces"][0]
+    time_us = trace[at].get("time_us") if at is not None else None
     record = {"network": args.network, "budget": args.budget,
               "budget_bytes": wrapped.budget_bytes, "cap_gib": args.cap_gib,
-              "strict_budget": args.strict, "runtime": os.path.dirname(sn.__file__),
+              "strict_budget": args.strict, "without": args.without, "runtime": os.path.dirname(sn.__file__),
               "steps": steps, "allocated_when_tracing_began": base,
-              "layer_at_peak": layer_at(times, time_us), **found}
+              "layer_at_peak": layer_at(times, time_us),
+              "allocation_at_peak": described(trace[at]) if at is not None else None,
+              "largest_live_at_peak": [described(event) for event in largest_live(trace, at)],
+              **found}
     write(args.out, record)
 
 

@@ -40,6 +40,10 @@ Rule 8: in forward, after the room for the next layer is made, the copies that t
         layers after it will need are started now (pool Rule 6), as far ahead as their bytes
         take to cross the link at the plan's layer times (costs.work, on the measured machine):
         made at the step that needs it, that room waited for its copies, and the device idled.
+Rule 9: on CUDA, while the plan calibrates, each convolution (its forward, replays and
+        backward) runs with the allocator limited to the room the budget leaves beside it, so
+        that the cuDNN engines PyTorch chooses and keeps have workspaces that fit
+        (workspaces.py): they would otherwise take what the device allows.
 """
 
 import logging
@@ -51,6 +55,7 @@ from torch import fx
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
 
+from ..capture.kinds import Kind
 from ..planner import Action, Policy
 from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
@@ -60,6 +65,7 @@ from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateRef, StateTier
+from .workspaces import WorkspaceFit, available as workspaces_fit
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
@@ -107,6 +113,8 @@ class Executor(RoomKeeping):
         self.count_foreign = count_foreign
         self.foreign_bytes = 0
         self.calibration = Calibration(device, budget_bytes)                 # Rule 4
+        self.workspaces = WorkspaceFit(device, budget_bytes, self.calibration.slack) \
+            if workspaces_fit(device) and count_foreign else None           # Rule 9
         self.calibrating = False
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
@@ -315,6 +323,17 @@ class Executor(RoomKeeping):
         return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
 
     def _call(self, layer, args, kwargs, trains: bool = False):
+        if layer.kind is not Kind.CONV or self.workspaces is None or not self.calibrating:
+            return self._run_layer(layer, args, kwargs, trains)
+        storages = self.graph.storages                                     # Rule 9
+        outputs = [storages[self.graph.values[v].storage].nbytes for v in layer.outputs]
+        with self.workspaces.fitted(outputs):
+            out = self._run_layer(layer, args, kwargs, trains)
+        if trains:
+            self.workspaces.through_backward(out, pytree.tree_leaves((args, kwargs)))
+        return out
+
+    def _run_layer(self, layer, args, kwargs, trains: bool):
         node = layer.node
         if node.op == "call_module":
             if self.tier is not None:
@@ -348,6 +367,13 @@ class Executor(RoomKeeping):
         return holder
 
     def _unpack(self, handle):
+        workspaces = self.workspaces
+        if workspaces is None or not workspaces.limiting:
+            return self._bring_back(handle)
+        with workspaces.lifted():                                          # Rule 9
+            return self._bring_back(handle)
+
+    def _bring_back(self, handle):
         step = written = None
         if isinstance(handle, list):  # a holder: [tensor or handle, Written, the step reading it]
             written = handle[1]
