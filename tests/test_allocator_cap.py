@@ -44,6 +44,18 @@ class FakeLimit:
 CUDA0 = torch.device("cuda", 0)
 
 
+@pytest.fixture
+def expandable_segments():
+    """The allocator as the benchmarks run it: with its segments fixed in size, blocks freed
+    between live ones stay reserved, and a limit at the budget fails on them (strict_budget
+    is for expandable segments, as DESIGN.md says)."""
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    yield
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
 @pytest.fixture(autouse=True)
 def _callers_limit_back():
     """A failed CUDA case leaves the next ones the limit they had."""
@@ -182,7 +194,8 @@ def _others(model: nn.Module, *tensors) -> int:
 
 @needs_cuda
 @pytest.mark.parametrize("policy", ["superneurons", "liveness"])
-def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_limit(policy):
+def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_limit(
+        policy, expandable_segments):
     """Both paths: a managed plan (superneurons at a budget below liveness) and the untouched
     model (a budget above it). SGD without momentum: no optimizer state grows what the model
     does not own, so each step takes the same path."""
@@ -218,7 +231,8 @@ def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_
 
 @needs_cuda
 @pytest.mark.parametrize("cudnn_benchmark", [False, True])
-def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(cudnn_benchmark):
+def test_on_cuda_a_convolution_takes_a_smaller_workspace_under_the_cap(cudnn_benchmark,
+                                                                    expandable_segments):
     """What the cap is for: without it, a convolution's workspace lifts the step's peak over
     a budget just above the step's tensors; with it, the peak stays within, though cuDNN
     chose (and with benchmark=True cached) its algorithm without the cap first."""
