@@ -46,9 +46,8 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture
 def expandable_segments():
-    """The allocator as the benchmarks run it: with its segments fixed in size, blocks freed
-    between live ones stay reserved, and a limit at the budget fails on them (strict_budget
-    is for expandable segments, as DESIGN.md says)."""
+    """The allocator as the benchmarks run it (expandable segments): with segments fixed in
+    size, blocks freed between live ones stay reserved, and a limit at the budget counts them."""
     torch.cuda.empty_cache()
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     yield

@@ -7,10 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import superneurons as sn
-from superneurons.runtime import allocator_cap, executor as executor_module
-from superneurons.runtime.workspaces import segment_bytes
+from torch.autograd.graph import saved_tensors_hooks
 
-MiB = 1 << 20
+from superneurons.runtime import allocator_cap, executor as executor_module, workspaces
+from superneurons.runtime.workspaces import WorkspaceFit, segment_bytes
+
+MiB, GiB = 1 << 20, 1 << 30
+CUDA0 = torch.device("cuda", 0)
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not allocator_cap.available(),
     reason="needs CUDA (device machine) and a torch that reads the allocator's limit")
@@ -22,6 +25,111 @@ def test_a_request_reserves_at_most_its_allocator_segment():
     assert segment_bytes(MiB + 1) == 20 * MiB
     assert segment_bytes(10 * MiB) == 10 * MiB
     assert segment_bytes(11 * MiB + 1) == 12 * MiB
+
+
+class FakeAllocator:
+    """CUDA's allocator as the fit reads and limits it, on a machine without CUDA: what is
+    allocated and reserved, the per-process fraction of an 80 GiB device, empty_cache (which
+    leaves a 2 MiB sliver of every partly used page)."""
+
+    def __init__(self, monkeypatch, allocated, reserved, fraction=1.0, total=80 * GiB):
+        self.allocated, self.reserved, self.fraction, self.total = allocated, reserved, \
+            fraction, total
+        self.emptied, self.limits = 0, []
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index: type("Properties", (), {"total_memory": total}))
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                            lambda index=None: self.fraction, raising=False)
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self.empty)
+        monkeypatch.setattr(workspaces, "_stats", lambda index: (self.allocated, self.reserved))
+
+    def set(self, fraction, index=None):
+        self.fraction = fraction
+        self.limits.append(round(fraction * self.total))
+
+    def empty(self):
+        self.emptied += 1
+        self.reserved = self.allocated + 2 * MiB
+
+    @property
+    def limit(self) -> int:
+        return round(self.fraction * self.total)
+
+
+def test_a_workspace_gets_the_room_the_budget_leaves_beside_the_outputs(monkeypatch):
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB + 8 * MiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=16 * MiB)
+    with fit.fitted([256 * MiB]):
+        room = 2 * GiB - 16 * MiB - GiB - 256 * MiB
+        assert fake.limit == pytest.approx(GiB + 8 * MiB + room, abs=1)
+    assert fake.fraction == 1.0                     # the caller's limit is back
+    assert fake.emptied == 0                        # 8 MiB cached free: less than the room
+
+
+def test_without_room_the_outputs_still_fit_and_cached_blocks_are_returned(monkeypatch):
+    fake = FakeAllocator(monkeypatch, allocated=2 * GiB - 100 * MiB, reserved=3 * GiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    with fit.fitted([256 * MiB]):
+        assert fake.emptied == 1                    # a cached GiB would serve any workspace
+        assert fake.limit == pytest.approx(fake.reserved + 256 * MiB, abs=1)
+
+
+def test_a_stricter_limit_of_the_callers_stays(monkeypatch):
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB, fraction=0.0125)   # 1 GiB
+    fit = WorkspaceFit(CUDA0, budget_bytes=8 * GiB, slack_bytes=0)
+    with fit.fitted([MiB]):
+        assert fake.fraction == 0.0125
+    assert fake.fraction == 0.0125
+
+
+def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_unlimited(
+        monkeypatch):
+    """Its prehook limits, the executor's unpack lifts the limit while a saved tensor comes
+    back and limits again from what is then allocated, its hook gives the caller's back."""
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    conv = nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    seen = []
+
+    def unpack(tensor):
+        seen.append(("unpacking", fit.limiting, fake.fraction < 1.0))
+        with fit.lifted():
+            seen.append(("lifted", fake.fraction))
+            fake.allocated += 64 * MiB              # the pool brings it back
+        seen.append(("limited again", fake.limit))
+        return tensor
+    with saved_tensors_hooks(lambda tensor: tensor, unpack):
+        out = conv(x)
+    fit.through_backward(out, [x, conv.weight, conv.bias])
+    out.sum().backward()
+    outputs = sum(t.numel() * t.element_size() for t in (x, conv.weight, conv.bias))
+    assert seen[:2] == [("unpacking", True, True), ("lifted", 1.0)]
+    assert seen[-1] == ("limited again", pytest.approx(
+        GiB + max(2 * GiB - fake.allocated - outputs, 3 * segment_bytes(1)), abs=1))
+    assert fake.fraction == 1.0 and not fit.limiting
+
+
+def test_only_a_convolutions_backward_is_limited(monkeypatch):
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    linear = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = linear(x)
+    fit.through_backward(out, [x, linear.weight, linear.bias])
+    out.sum().backward()
+    assert fake.limits == []
+
+
+def test_a_backward_that_raised_gives_the_callers_limit_back_at_the_next(monkeypatch):
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    fit._backward_begins([MiB])                     # its node raised: no hook ran
+    fit._backward_begins([MiB])
+    assert fit.restore == 1.0
+    fit._backward_ends()
+    assert fake.fraction == 1.0 and not fit.limiting
 
 
 def _net(device):
