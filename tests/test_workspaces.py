@@ -88,6 +88,7 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
     """Its prehook limits, the executor's unpack lifts the limit while a saved tensor comes
     back and limits again from what is then allocated, its hook gives the caller's back."""
     fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     conv = nn.Conv2d(3, 4, 3)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
@@ -122,13 +123,16 @@ def test_only_a_convolutions_backward_is_limited(monkeypatch):
     assert fake.limits == []
 
 
-def test_a_backward_that_raised_gives_the_callers_limit_back_at_the_next(monkeypatch):
+def test_a_backward_that_raised_gives_the_callers_limit_back(monkeypatch):
+    """At the next backward convolution, or the next forward outside any backward."""
     fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     fit._backward_begins([MiB])                     # its node raised: no hook ran
     fit._backward_begins([MiB])
-    assert fit.restore == 1.0
-    fit._backward_ends()
+    assert workspaces._running[0][2] == 1.0          # the caller's, not the first limit
+    assert fake.fraction < 1.0
+    workspaces.end_stale(CUDA0)
     assert fake.fraction == 1.0 and not fit.limiting
 
 
@@ -189,3 +193,23 @@ def test_on_cuda_a_managed_steps_convolutions_stay_within_the_budget(monkeypatch
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
     if all(peak <= budget for peak in peaks[False]):
         pytest.skip("cuDNN took no workspace beyond the budget even unfitted: nothing to compare")
+
+
+def test_a_forward_inside_a_backward_leaves_the_running_convolutions_limit(monkeypatch):
+    """A recomputation runs forwards inside a backward: the limit there is not stale."""
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    x = torch.randn(3, requires_grad=True)
+    kept = []
+
+    def during_backward(grad):
+        fit._backward_begins([MiB])
+        workspaces.end_stale(CUDA0)
+        kept.append(fit.limiting)
+        workspaces._end(0)
+        return grad
+    y = x * 2
+    y.register_hook(during_backward)
+    y.sum().backward()
+    assert kept == [True] and fake.fraction == 1.0

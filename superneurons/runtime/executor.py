@@ -65,7 +65,7 @@ from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateRef, StateTier
-from .workspaces import WorkspaceFit, available as workspaces_fit
+from .workspaces import WorkspaceFit, available as workspaces_fit, end_stale
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
@@ -231,6 +231,8 @@ class Executor(RoomKeeping):
         caller has just read them (module Rule 3), else read here."""
         self.step_id += 1
         self._reset_stats()
+        if self.workspaces is not None:
+            end_stale(self.device)                                          # Rule 9
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
             self.tier.begin_step([self._named_state(name)
                                   for name in self.plan.resident_state])

@@ -54,6 +54,27 @@ def _tensor_bytes(tensors) -> list:
             if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+# per CUDA device index, while a backward convolution runs under its limit: (its fit, its
+# results' bytes, the fraction its limit replaced). Kept per device, not per fit: a backward
+# that raised inside one executor's convolution left its limit, and the next forward outside any
+# backward, whichever executor runs it, gives the caller's back (end_stale)
+_running: dict = {}
+
+
+def end_stale(device: torch.device) -> None:
+    """Where no backward runs now, give back the caller's fraction a backward convolution's
+    limit replaced, if one is left (its node raised, so its hook never ran)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _running and torch._C._current_graph_task_id() == -1:
+        _end(index)
+
+
+def _end(index: int) -> None:
+    entry = _running.pop(index, None)
+    if entry is not None:
+        torch.cuda.set_per_process_memory_fraction(entry[2], index)
+
+
 class WorkspaceFit:
     """One executor's convolutions, fitted to its budget on one CUDA device."""
 
@@ -61,8 +82,6 @@ class WorkspaceFit:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.total = torch.cuda.get_device_properties(self.index).total_memory
         self.budget_bytes, self.slack_bytes = budget_bytes, slack_bytes
-        # while a backward convolution runs: its results' bytes, and the fraction it replaced
-        self.outputs = self.restore = None
 
     @contextmanager
     def fitted(self, outputs: list):
@@ -81,33 +100,30 @@ class WorkspaceFit:
             return
         outputs = _tensor_bytes(inputs)
         node.register_prehook(lambda grad_outputs: self._backward_begins(outputs))
-        node.register_hook(lambda grad_inputs, grad_outputs: self._backward_ends())
+        node.register_hook(lambda grad_inputs, grad_outputs: _end(self.index))
 
     @property
     def limiting(self) -> bool:
-        """Whether a backward convolution runs under its limit now."""
-        return self.outputs is not None
+        """Whether a backward convolution runs under its limit on this device now."""
+        return self.index in _running
 
     @contextmanager
     def lifted(self):
         """While a backward convolution brings its saved tensors back (the pool's fetches and
         replays, which make their own room), the caller's limit; then the convolution's again,
         from what the allocator holds once they are back."""
-        torch.cuda.set_per_process_memory_fraction(self.restore, self.index)
+        fit, outputs, caller = _running[self.index]
+        torch.cuda.set_per_process_memory_fraction(caller, self.index)
         try:
             yield
         finally:
-            self._limit(self.outputs)
+            if _running.get(self.index, (None,))[0] is fit:
+                fit._limit(outputs)
 
     def _backward_begins(self, outputs: list) -> None:
-        self._backward_ends()                # a backward that raised left its limit
-        self.outputs = outputs
-        self.restore = self._limit(outputs)
-
-    def _backward_ends(self) -> None:
-        if self.outputs is not None:
-            torch.cuda.set_per_process_memory_fraction(self.restore, self.index)
-            self.outputs = self.restore = None
+        _end(self.index)                     # a backward that raised left its limit
+        caller = self._limit(outputs)
+        _running[self.index] = (self, outputs, caller)
 
     def _limit(self, outputs: list) -> float:
         """Limit the allocator for one convolution; returns the fraction to give back.
