@@ -113,7 +113,8 @@ def main():
     time_us = trace[at].get("time_us") if at is not None else None
     record = {"network": args.network, "budget": args.budget,
               "budget_bytes": wrapped.budget_bytes, "cap_gib": args.cap_gib,
-              "strict_budget": args.strict, "without": args.without, "runtime": os.path.dirname(sn.__file__),
+              "strict_budget": args.strict, "without": args.without,
+              "runtime": os.path.dirname(sn.__file__),
               "steps": steps, "allocated_when_tracing_began": base,
               "layer_at_peak": layer_at(times, time_us),
               "allocation_at_peak": described(trace[at]) if at is not None else None,

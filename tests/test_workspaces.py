@@ -10,7 +10,7 @@ import superneurons as sn
 from torch.autograd.graph import saved_tensors_hooks
 
 from superneurons.runtime import allocator_cap, executor as executor_module, workspaces
-from superneurons.runtime.workspaces import WorkspaceFit, segment_bytes
+from superneurons.runtime.workspaces import WorkspaceFit, grad_bytes, segment_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 CUDA0 = torch.device("cuda", 0)
@@ -20,11 +20,13 @@ needs_cuda = pytest.mark.skipif(
 
 
 def test_a_request_reserves_at_most_its_allocator_segment():
+    """Fixed segments: 2 MiB up to 1 MiB, 20 MiB below 10, 2 MiB pages above; expandable
+    ones grow by 20 MiB: the larger of the two."""
     assert segment_bytes(1) == 2 * MiB
     assert segment_bytes(MiB) == 2 * MiB
     assert segment_bytes(MiB + 1) == 20 * MiB
-    assert segment_bytes(10 * MiB) == 10 * MiB
-    assert segment_bytes(11 * MiB + 1) == 12 * MiB
+    assert segment_bytes(10 * MiB) == 20 * MiB
+    assert segment_bytes(21 * MiB) == 40 * MiB
 
 
 class FakeAllocator:
@@ -72,7 +74,7 @@ def test_without_room_the_outputs_still_fit_and_cached_blocks_are_returned(monke
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     with fit.fitted([256 * MiB]):
         assert fake.emptied == 1                    # a cached GiB would serve any workspace
-        assert fake.limit == pytest.approx(fake.reserved + 256 * MiB, abs=1)
+        assert fake.limit == pytest.approx(fake.reserved + segment_bytes(256 * MiB), abs=1)
 
 
 def test_a_stricter_limit_of_the_callers_stays(monkeypatch):
@@ -99,16 +101,17 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
         with fit.lifted():
             seen.append(("lifted", fake.fraction))
             fake.allocated += 64 * MiB              # the pool brings it back
+            fake.reserved += 64 * MiB
         seen.append(("limited again", fake.limit))
         return tensor
     with saved_tensors_hooks(lambda tensor: tensor, unpack):
         out = conv(x)
-    fit.through_backward(out, [x, conv.weight, conv.bias])
+    gradients = grad_bytes([x, conv.weight, conv.bias]) + [out.numel() * out.element_size()]
+    fit.through_backward(out, gradients)
     out.sum().backward()
-    outputs = sum(t.numel() * t.element_size() for t in (x, conv.weight, conv.bias))
     assert seen[:2] == [("unpacking", True, True), ("lifted", 1.0)]
-    assert seen[-1] == ("limited again", pytest.approx(
-        GiB + max(2 * GiB - fake.allocated - outputs, 3 * segment_bytes(1)), abs=1))
+    assert seen[-1] == ("limited again", pytest.approx(fake.reserved + max(
+        2 * GiB - fake.allocated - sum(gradients), 4 * segment_bytes(1)), abs=1))
     assert fake.fraction == 1.0 and not fit.limiting
 
 
@@ -118,7 +121,7 @@ def test_only_a_convolutions_backward_is_limited(monkeypatch):
     linear = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
     out = linear(x)
-    fit.through_backward(out, [x, linear.weight, linear.bias])
+    fit.through_backward(out, grad_bytes([x, linear.weight, linear.bias]))
     out.sum().backward()
     assert fake.limits == []
 
@@ -167,8 +170,9 @@ def test_on_cuda_a_managed_steps_convolutions_stay_within_the_budget(monkeypatch
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="superneurons").peak_bytes
     peaks, losses = {}, {}
+    caller = torch.cuda.get_per_process_memory_fraction(0)
     for fit in (False, True):
-        monkeypatch.setattr(executor_module, "workspaces_fit", lambda device, fit=fit: fit)
+        monkeypatch.setattr(executor_module, "fits_on", lambda device, fit=fit: fit)
         model = _net("cuda")
         F.cross_entropy(model(x), y).backward()          # cuBLAS's workspaces exist from here
         model.zero_grad(set_to_none=True)
@@ -187,6 +191,7 @@ def test_on_cuda_a_managed_steps_convolutions_stay_within_the_budget(monkeypatch
             peaks[fit].append(torch.cuda.max_memory_allocated())
             losses[fit].append(loss.item())
         assert wrapped._last[1] is not None and not wrapped._last[1].calibrating
+        assert torch.cuda.get_per_process_memory_fraction(0) == caller
         del model, wrapped, optimizer
     # the loss's own tensors, outside the model and the budget's others, are the test's
     assert all(peak <= budget + MiB for peak in peaks[True]), (peaks, budget)
@@ -213,3 +218,60 @@ def test_a_forward_inside_a_backward_leaves_the_running_convolutions_limit(monke
     y.register_hook(during_backward)
     y.sum().backward()
     assert kept == [True] and fake.fraction == 1.0
+
+
+def _calibrating_executor(monkeypatch):
+    """A managed CPU executor made to fit as a calibrating CUDA one would, on a fake
+    allocator: the CPU runs the executor's Rule 9 paths."""
+    model = _net("cpu")
+    x = torch.randn(4, 64, 16, 16)
+    liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
+    floor = sn.plan(_net("cpu"), x, policy="superneurons").peak_bytes
+    wrapped = sn.wrap(model, budget=(floor + liveness) // 2)
+    wrapped(x).sum().backward()
+    executor = wrapped._last[1]
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
+    executor.workspaces = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    executor.calibrating = True
+    monkeypatch.setattr(executor.calibration, "read", lambda: 0)     # no CUDA statistics
+    return model, wrapped, executor, fake, x
+
+
+def test_a_convolution_modules_backward_counts_its_parameters_gradients(monkeypatch):
+    """nn.Conv2d is called with its input alone: its weight's and bias's gradients, and a copy
+    of the gradient reaching it, are counted all the same."""
+    model, wrapped, executor, fake, x = _calibrating_executor(monkeypatch)
+    given = []
+    through = WorkspaceFit.through_backward
+
+    def recorded(self, out, nbytes):
+        given.append(nbytes)
+        through(self, out, nbytes)
+    monkeypatch.setattr(WorkspaceFit, "through_backward", recorded)
+    wrapped(x).sum().backward()
+    convs = [m for m in model if isinstance(m, nn.Conv2d)]
+    activation = 4 * 256 * 16 * 16 * 4                      # each convolution's output, fp32
+    expected = [[conv.weight.numel() * 4, conv.bias.numel() * 4, activation] for conv in convs]
+    for nbytes in expected[1:]:
+        nbytes.insert(0, activation)            # the input's gradient, from the second on
+    assert given == expected
+    assert fake.fraction == 1.0 and len(fake.limits) > 2 * len(convs)
+
+
+def test_a_convolution_out_of_memory_under_its_limit_runs_again_unfitted(monkeypatch):
+    """Rule 5's retry, without the limit, and without calibrating again: the limit failed,
+    not the plan."""
+    model, wrapped, executor, fake, x = _calibrating_executor(monkeypatch)
+    calls = []
+
+    def fitted_that_fails(self, output_bytes):
+        calls.append(output_bytes)
+        raise torch.OutOfMemoryError("under the limit")
+    monkeypatch.setattr(WorkspaceFit, "fitted", fitted_that_fails)
+    left = executor.calibration.left
+    expected = model(x).sum()
+    out = wrapped(x).sum()
+    out.backward()
+    assert calls and torch.allclose(out, expected)
+    assert executor.calibration.left == left and not executor.unfitted

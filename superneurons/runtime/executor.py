@@ -43,7 +43,9 @@ Rule 8: in forward, after the room for the next layer is made, the copies that t
 Rule 9: on CUDA, while the plan calibrates, each convolution (its forward, replays and
         backward) runs with the allocator limited to the room the budget leaves beside it, so
         that the cuDNN engines PyTorch chooses and keeps have workspaces that fit
-        (workspaces.py): they would otherwise take what the device allows.
+        (workspaces.py): they would otherwise take what the device allows. One that runs out
+        of memory under its limit is retried without it (Rule 5's retry), and the calibration
+        is not made again for it: the limit failed, not the plan.
 """
 
 import logging
@@ -65,7 +67,7 @@ from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateRef, StateTier
-from .workspaces import WorkspaceFit, available as workspaces_fit, end_stale
+from .workspaces import WorkspaceFit, end_stale, fits_on, grad_bytes
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
@@ -100,6 +102,10 @@ def _has_path(obj, dotted: str) -> bool:
         return False
 
 
+class FitOutOfMemory(torch.OutOfMemoryError):
+    """A convolution ran out of device memory under its workspace limit (Rule 9)."""
+
+
 def _never(_):
     raise RuntimeError("a tensor saved during a superneurons replay was read; please report this")
 
@@ -114,7 +120,8 @@ class Executor(RoomKeeping):
         self.foreign_bytes = 0
         self.calibration = Calibration(device, budget_bytes)                 # Rule 4
         self.workspaces = WorkspaceFit(device, budget_bytes, self.calibration.slack) \
-            if workspaces_fit(device) and count_foreign else None           # Rule 9
+            if fits_on(device) and count_foreign else None                  # Rule 9
+        self.unfitted = False      # Rule 9: a retry after an out-of-memory under the fit
         self.calibrating = False
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
@@ -268,11 +275,14 @@ class Executor(RoomKeeping):
                                              env, self.mutable_state)
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
-                except torch.OutOfMemoryError:   # Rule 5: evict all that may go, retry once
-                    self.calibration.again()                                # Rule 4
+                except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
+                    self._after_out_of_memory(error)        # retry once
                     self.pool.make_room(position, forward=True, limit=0)
                     self.pending, self.counter = [], 0
-                    out = self._call(layer, call_args, kwargs, trains=True)
+                    try:
+                        out = self._call(layer, call_args, kwargs, trains=True)
+                    finally:
+                        self.unfitted = False
                 env[layer.node] = out
                 self._env_holds(layer.node)
                 if self.tier is not None:
@@ -325,14 +335,23 @@ class Executor(RoomKeeping):
         return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
 
     def _call(self, layer, args, kwargs, trains: bool = False):
-        if layer.kind is not Kind.CONV or self.workspaces is None or not self.calibrating:
+        if layer.kind is not Kind.CONV or self.workspaces is None or not self.calibrating or \
+                self.unfitted:
             return self._run_layer(layer, args, kwargs, trains)
-        storages = self.graph.storages                                     # Rule 9
-        outputs = [storages[self.graph.values[v].storage].nbytes for v in layer.outputs]
-        with self.workspaces.fitted(outputs):
-            out = self._run_layer(layer, args, kwargs, trains)
+        graph = self.graph                                                 # Rule 9
+        output_bytes = [graph.storages[graph.values[v].storage].nbytes for v in layer.outputs]
+        try:
+            with self.workspaces.fitted(output_bytes):
+                out = self._run_layer(layer, args, kwargs, trains)
+        except torch.OutOfMemoryError as error:
+            raise FitOutOfMemory(str(error)) from error
         if trains:
-            self.workspaces.through_backward(out, pytree.tree_leaves((args, kwargs)))
+            # its gradients (a module's own parameters are not among the arguments) and a copy
+            # of the gradient reaching it, which a sum's backward hands on strided
+            tensors = pytree.tree_leaves((args, kwargs))
+            if layer.module is not None:
+                tensors += list(layer.module.parameters())
+            self.workspaces.through_backward(out, grad_bytes(tensors) + output_bytes)
         return out
 
     def _run_layer(self, layer, args, kwargs, trains: bool):
@@ -394,8 +413,8 @@ class Executor(RoomKeeping):
             return handle.get()
         try:
             return handle.get()
-        except torch.OutOfMemoryError:          # Rule 5: evict all that may go, retry once
-            self.calibration.again()                                        # Rule 4
+        except torch.OutOfMemoryError as error:  # Rule 5: evict all that may go, retry once
+            self._after_out_of_memory(error)
             self.pool.make_room(self.backward_step or 0, forward=False, limit=0)
         try:
             return handle.get()
@@ -407,6 +426,17 @@ class Executor(RoomKeeping):
                 "plan holds memory. The parameters are unchanged (the optimizer has not "
                 "stepped) but this step's gradients are partial: zero them, then lower the "
                 "budget or the batch") from error
+        finally:
+            self.unfitted = False
+
+    def _after_out_of_memory(self, error: torch.OutOfMemoryError) -> None:
+        """Before Rule 5's retry: an out-of-memory under a workspace limit (Rule 9) is that
+        limit's, and the retry runs without it; any other says the calibrated excess is short,
+        and the next steps calibrate again (Rule 4)."""
+        if isinstance(error, FitOutOfMemory):
+            self.unfitted = True
+        else:
+            self.calibration.again()
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:

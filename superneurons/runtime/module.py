@@ -76,6 +76,7 @@ from .machine import machine_of
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 from .structure import Structure
+from .workspaces import end_stale
 
 # a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
 # for that memory to grow into, so that a step does not plan again at every few megabytes
@@ -375,6 +376,7 @@ class SuperNeuronsModule(nn.Module):
         return plan, Executor(plan, device, self.budget_bytes, model=self.model)
 
     def forward(self, *args, **kwargs):
+        end_stale()           # a workspace limit a raising backward left (executor Rule 9)
         if self.compute_device is not None:                             # Rule 6
             args, kwargs = moved_to((args, kwargs), self.compute_device)
         elif not torch.is_grad_enabled():

@@ -13,66 +13,85 @@ beside the convolution's outputs (_limit says how). Its free cached blocks are r
 when they are more than that room: the limit bounds what the allocator reserves anew, and a
 cached block would serve a workspace past it. A backward convolution's limit starts before its
 node runs and is lifted while the node brings its saved tensors back. The engines chosen or kept
-then fit the room of a calibrated step, and later steps run them again, at no cost.
+then fit the room of a calibrated step, and later steps run them again, at no cost. A forward
+convolution that runs out of memory under its limit runs again without it (executor Rule 9).
+
+Limits: the allocator's fraction is per process and device, so while a convolution runs under
+it, so does anything another thread allocates on that device; and cuDNN keeps its engines per
+thread, so a forward run on a thread of its own each call (nn.DataParallel's replicas) chooses
+them after calibration, unfitted.
 """
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
 from .allocator_cap import available as fraction_readable
 
-# the caching allocator's segment sizes (CUDACachingAllocator.cpp): requests up to 1 MiB
-# share 2 MiB segments, up to 10 MiB 20 MiB ones, larger ones are rounded up to 2 MiB
-_SMALL, _SMALL_SEGMENT = 2**20, 2 * 2**20
-_MEDIUM, _MEDIUM_SEGMENT = 10 * 2**20, 20 * 2**20
-_PAGE = 2 * 2**20
+# what the caching allocator reserves anew for a request (CUDACachingAllocator.cpp): requests
+# up to 1 MiB share 2 MiB segments; a larger one takes a 20 MiB segment below 10 MiB, else its
+# size in 2 MiB pages, and with expandable segments the segment grows by 20 MiB at a time, so a
+# multiple of 20 MiB covers both
+_SMALL, _SMALL_SEGMENT, _LARGE_SEGMENT = 2**20, 2 * 2**20, 20 * 2**20
 
 
 def segment_bytes(nbytes: int) -> int:
     """At most what the allocator reserves anew to allocate ``nbytes``."""
     if nbytes <= _SMALL:
         return _SMALL_SEGMENT
-    if nbytes < _MEDIUM:
-        return _MEDIUM_SEGMENT
-    return -(-nbytes // _PAGE) * _PAGE
+    return -(-nbytes // _LARGE_SEGMENT) * _LARGE_SEGMENT
 
 
-def available(device: torch.device) -> bool:
+def fits_on(device: torch.device) -> bool:
     """Whether workspaces can be fitted on ``device``: CUDA, with a torch that says what the
     caller's own memory fraction is (to give it back)."""
     return device.type == "cuda" and fraction_readable()
 
 
-def _stats(index: int) -> tuple:
-    stats = torch.cuda.memory_stats_as_nested_dict(index)
-    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
-
-
-def _tensor_bytes(tensors) -> list:
+def grad_bytes(tensors) -> list:
+    """The bytes of the gradients ``tensors`` get in backward: those of the ones that need one."""
     return [t.numel() * t.element_size() for t in tensors
             if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-# per CUDA device index, while a backward convolution runs under its limit: (its fit, its
-# results' bytes, the fraction its limit replaced). Kept per device, not per fit: a backward
-# that raised inside one executor's convolution left its limit, and the next forward outside any
-# backward, whichever executor runs it, gives the caller's back (end_stale)
+def _stats(index: int) -> tuple:
+    """(allocated, reserved) from one read of the allocator's statistics."""
+    stats = torch.cuda.memory_stats_as_nested_dict(index)
+    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
+
+
+class _Running(NamedTuple):
+    """A backward convolution running under its limit."""
+    fit: "WorkspaceFit"
+    output_bytes: list
+    caller: float             # the fraction its limit replaced
+
+
+# per CUDA device index, the backward convolution running under its limit there. Kept per
+# device, not per fit: a backward that raised inside one executor's convolution left its limit,
+# and the next wrapped forward outside any backward, whichever runs it, gives the caller's back
 _running: dict = {}
 
 
-def end_stale(device: torch.device) -> None:
-    """Where no backward runs now, give back the caller's fraction a backward convolution's
-    limit replaced, if one is left (its node raised, so its hook never ran)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _running and torch._C._current_graph_task_id() == -1:
+def end_stale(device: torch.device | None = None) -> None:
+    """Where no backward runs now, give back the caller's fraction that a backward
+    convolution's limit replaced, if one is left (its node raised, so its hook never ran); on
+    ``device``, or on every device."""
+    if not _running or torch._C._current_graph_task_id() != -1:
+        return
+    if device is None:
+        indices = list(_running)
+    else:
+        indices = [device.index if device.index is not None else torch.cuda.current_device()]
+    for index in indices:
         _end(index)
 
 
 def _end(index: int) -> None:
-    entry = _running.pop(index, None)
-    if entry is not None:
-        torch.cuda.set_per_process_memory_fraction(entry[2], index)
+    running = _running.pop(index, None)
+    if running is not None:
+        torch.cuda.set_per_process_memory_fraction(running.caller, index)
 
 
 class WorkspaceFit:
@@ -84,22 +103,22 @@ class WorkspaceFit:
         self.budget_bytes, self.slack_bytes = budget_bytes, slack_bytes
 
     @contextmanager
-    def fitted(self, outputs: list):
-        """Run a convolution whose results are ``outputs`` bytes with its workspace fitted."""
-        caller = self._limit(outputs)
+    def fitted(self, output_bytes: list):
+        """Run a convolution whose results are ``output_bytes`` with its workspace fitted."""
+        caller = self._limit(output_bytes)
         try:
             yield
         finally:
             torch.cuda.set_per_process_memory_fraction(caller, self.index)
 
-    def through_backward(self, out, inputs: list) -> None:
-        """Fit the workspaces of ``out``'s convolution backward too: its results are the
-        gradients of ``inputs`` (the input, the weight, the bias) that need one."""
+    def through_backward(self, out, gradient_bytes: list) -> None:
+        """Fit the workspaces of ``out``'s convolution backward too, whose results are
+        ``gradient_bytes``. Only PyTorch's own convolution node: another node's allocations
+        are not known here."""
         node = getattr(out, "grad_fn", None)
-        if node is None or "Convolution" not in type(node).__name__:
+        if node is None or type(node).__name__ != "ConvolutionBackward0":
             return
-        outputs = _tensor_bytes(inputs)
-        node.register_prehook(lambda grad_outputs: self._backward_begins(outputs))
+        node.register_prehook(lambda grad_outputs: self._backward_begins(gradient_bytes))
         node.register_hook(lambda grad_inputs, grad_outputs: _end(self.index))
 
     @property
@@ -112,32 +131,34 @@ class WorkspaceFit:
         """While a backward convolution brings its saved tensors back (the pool's fetches and
         replays, which make their own room), the caller's limit; then the convolution's again,
         from what the allocator holds once they are back."""
-        fit, outputs, caller = _running[self.index]
-        torch.cuda.set_per_process_memory_fraction(caller, self.index)
+        running = _running[self.index]
+        torch.cuda.set_per_process_memory_fraction(running.caller, self.index)
         try:
             yield
         finally:
-            if _running.get(self.index, (None,))[0] is fit:
-                fit._limit(outputs)
+            if _running.get(self.index) is running:
+                running.fit._limit(running.output_bytes)
 
-    def _backward_begins(self, outputs: list) -> None:
+    def _backward_begins(self, gradient_bytes: list) -> None:
         _end(self.index)                     # a backward that raised left its limit
-        caller = self._limit(outputs)
-        _running[self.index] = (self, outputs, caller)
+        caller = self._limit(gradient_bytes)
+        _running[self.index] = _Running(self, gradient_bytes, caller)
 
-    def _limit(self, outputs: list) -> float:
+    def _limit(self, output_bytes: list) -> float:
         """Limit the allocator for one convolution; returns the fraction to give back.
 
-        With R reserved and A allocated now, outputs O and room W = budget - slack - A - O, the
-        limit is R + max(W, O's segments): O always fits; a workspace then gets at most W of
-        new memory (O served from free cached blocks), or less (O in new segments); and free
-        cached blocks larger than W are returned first."""
+        With R reserved and A allocated now, results O and room W = budget - slack - A - O,
+        the limit is R + max(W, what O's requests reserve at most): what the results need is
+        always left (where O counts them all); a workspace then gets at most W of new memory
+        where the results come from free cached blocks, less where they take new segments.
+        Where more than W is cached free, the cache is emptied first (only its wholly free
+        segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved = _stats(self.index)
-        room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(outputs))
+        room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(output_bytes))
         if reserved - allocated > room:
             torch.cuda.empty_cache()
             allocated, reserved = _stats(self.index)
-        limit = reserved + max(room, sum(segment_bytes(n) for n in outputs))
+        limit = reserved + max(room, sum(segment_bytes(n) for n in output_bytes))
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         return caller
