@@ -148,14 +148,19 @@ def _net(device):
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10)).to(device)
 
 
-def test_off_cuda_no_workspace_is_fitted():
+def _managed_on_cpu():
+    """The net wrapped at a budget between its floor and liveness, after one step."""
     model = _net("cpu")
     x = torch.randn(4, 64, 16, 16)
     liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cpu"), x, policy="superneurons").peak_bytes
     wrapped = sn.wrap(model, budget=(floor + liveness) // 2)
     wrapped(x).sum().backward()
-    executor = wrapped._last[1]
+    return model, wrapped, wrapped._last[1], x
+
+
+def test_off_cuda_no_workspace_is_fitted():
+    executor = _managed_on_cpu()[2]
     assert executor is not None and executor.workspaces is None
 
 
@@ -223,13 +228,7 @@ def test_a_forward_inside_a_backward_leaves_the_running_convolutions_limit(monke
 def _calibrating_executor(monkeypatch):
     """A managed CPU executor made to fit as a calibrating CUDA one would, on a fake
     allocator: the CPU runs the executor's Rule 9 paths."""
-    model = _net("cpu")
-    x = torch.randn(4, 64, 16, 16)
-    liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
-    floor = sn.plan(_net("cpu"), x, policy="superneurons").peak_bytes
-    wrapped = sn.wrap(model, budget=(floor + liveness) // 2)
-    wrapped(x).sum().backward()
-    executor = wrapped._last[1]
+    model, wrapped, executor, x = _managed_on_cpu()
     fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
     monkeypatch.setattr(workspaces, "_running", {})
     executor.workspaces = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
