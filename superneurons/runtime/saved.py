@@ -1,0 +1,134 @@
+"""What autograd saves in a step, and how it comes back: the executor's pack and unpack hooks
+(executor Rules 2, 3, 5, 6, 7 and 9). A part of the Executor, as room.py is: it reads the
+executor's plan, pool, segment records and current layer; the executor runs the layers. Rule
+numbers here are the executor's."""
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..planner import Action, Policy
+from ..units import format_bytes
+from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
+from .state import StateRef
+
+
+class FitOutOfMemory(torch.OutOfMemoryError):
+    """A convolution ran out of device memory under its workspace limit (executor Rule 9)."""
+
+
+class SavedTensors:
+    """The executor's saved-tensor hooks: a saved tensor is kept, pooled, or replayed as the
+    plan says (Rule 2), and comes back in backward, the pool making its step's room (Rule 6)."""
+
+    def _pack(self, tensor: torch.Tensor):
+        layer = self.layer
+        if layer is None:
+            return tensor
+        key = (layer.index, self.counter)
+        self.counter += 1
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self.param_ptrs:
+            return [tensor, Written(tensor)]                         # Rule 3 (and 7)
+        if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
+            return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
+        if tensor.device.type != self.device.type:
+            return tensor     # a kernel's host-side scalars (attention's random seed and offset)
+        if self.segment is not None:
+            return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
+                           Written(tensor))
+        holder = [tensor, Written(tensor)]       # as saved, before the layer writes any more
+        self.pending.append(holder)
+        return holder
+
+    def _unpack(self, handle):
+        workspaces = self.workspaces
+        if workspaces is None or not workspaces.limiting:
+            return self._bring_back(handle)
+        with workspaces.lifted():                                          # Rule 9
+            return self._bring_back(handle)
+
+    def _bring_back(self, handle):
+        step = written = None
+        if isinstance(handle, list):  # a holder: [tensor or handle, Written, the step reading it]
+            written = handle[1]
+            if len(handle) > 2:                                                 # (resolved)
+                step = handle[2]
+            handle = handle[0]
+        elif isinstance(handle, SlotRef):   # saved inside a segment: it carries its step
+            step, written = handle.step, handle.written
+        if written is not None:                                                # Rule 7
+            written.check()
+        if step is not None and (isinstance(handle, PoolRef) or step in self.scratch_steps):
+            self._enter_backward_step(step)                                   # Rule 6
+        if isinstance(handle, torch.Tensor):
+            return handle
+        if isinstance(handle, StateRef):
+            return handle.get()
+        try:
+            return handle.get()
+        except torch.OutOfMemoryError as error:  # Rule 5: evict all that may go, retry once
+            self._after_out_of_memory(error, self.backward_step or 0, forward=False)
+        try:
+            return handle.get()
+        except torch.OutOfMemoryError as error:
+            raise RuntimeError(
+                f"out of device memory in the backward of a superneurons step (policy "
+                f"{self.plan.policy}, budget {format_bytes(self.budget_bytes)}) while bringing a "
+                "saved tensor back, after moving out all the pool could: something outside the "
+                "plan holds memory. The parameters are unchanged (the optimizer has not "
+                "stepped) but this step's gradients are partial: zero them, then lower the "
+                "budget or the batch") from error
+        finally:
+            self.unfitted = False
+
+    def _after_out_of_memory(self, error: torch.OutOfMemoryError, step: int,
+                             forward: bool) -> None:
+        """Before Rule 5's retry at ``step``: an out-of-memory under a workspace limit (Rule 9)
+        is that limit's, and the retry runs without it; any other says the calibrated excess
+        is short (the next steps calibrate again, Rule 4), and all that may leave goes."""
+        if isinstance(error, FitOutOfMemory):
+            self.unfitted = True
+        else:
+            self.calibration.again()
+            self.pool.make_room(step, forward=forward, limit=0)
+
+    def _enter_backward_step(self, step: int) -> None:
+        if step != self.backward_step:
+            self.backward_step = step
+            self.pool.unlock_all()
+            self.pool.make_room(step, forward=False)
+            self.pool.prefetch_ahead(step)
+            self._account(step)
+
+    def _resolve(self, layer, position: int, inputs: list, out) -> None:
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        by_storage = {}
+        for tensor, value in (*zip(inputs, layer.inputs), *zip(outputs, layer.outputs)):
+            by_storage[tensor.untyped_storage().data_ptr()] = value
+        step = self.bwd(layer.index)
+        actions, policy = self.plan.actions, self.plan.policy
+        for index, holder in enumerate(self.pending):
+            tensor = holder[0]
+            holder.append(step)                 # the backward step that reads it (_unpack)
+            value = by_storage.get(tensor.untyped_storage().data_ptr())
+            if value is None:       # a layer's own tensor (pooling indices, batch statistics)
+                if policy is Policy.SUPERNEURONS:
+                    entry = self.pool.add((self.step_id, layer.index, index),
+                                          storage_bytes(tensor), position)
+                    holder[0] = PoolRef(entry, view_of(tensor), step)
+                continue
+            storage = self.graph.values[value].storage
+            action = actions[storage]
+            if action is Action.OFFLOAD:
+                holder[0] = self._pool_ref(storage, tensor, step)
+            elif action is Action.RECOMPUTE:
+                record = self.records[self.segment_of[self.graph.values[value].producer].index]
+                holder[0] = ValueRef(record, value, view_of(tensor))
+        self.pending = []
+
+    def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,
+                  requires_grad: bool = False) -> PoolRef:
+        """A handle on the pool's one entry for a planned storage (made at its first saver)."""
+        entry = self.pool.add((self.step_id, storage), storage_bytes(tensor),
+                              self.plan.timeline.last_forward_use(storage))
+        return PoolRef(entry, view_of(tensor), step, requires_grad)
