@@ -35,13 +35,6 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_stats_as_nested_dict(device)["allocated_bytes"]["all"]["current"]
 
 
-def peak_allocated_bytes(device: torch.device) -> int | None:
-    """torch.cuda.max_memory_allocated, read as allocated_bytes is; None where the device's
-    allocator keeps no statistics."""
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    return stats["allocated_bytes"]["all"]["peak"] if "allocated_bytes" in stats else None
-
-
 class Calibration:
     def __init__(self, device: torch.device, budget_bytes: int):
         self.device = device

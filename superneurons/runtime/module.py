@@ -7,15 +7,13 @@ Rule 1: the plan is made at the first forward for each input structure, tensor s
         MAX_PLANS used last (Rule 5). Other Python state the forward reads is fixed at capture:
         replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
-        no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA the
-        decision counts the device memory the model does not own (optimizer state), which
-        grows after the first step (momentum, Adam's moments): every later step reads it
-        again, once (untouched_holds); and what an untouched step really peaked at above its
-        plan, read when its backward ends (untouched.py: cuDNN's workspaces, kernels'
-        temporaries; a hook on the outputs sees gradients pass). Where the step would not
-        fit, that call runs a managed plan of the same graph within what is left, kept beside
-        the untouched one: the next step that fits runs untouched again (the same holds for
-        "auto" choosing liveness).
+        no hook, no copy, no replay (plain PyTorch already frees tensors after last use). On
+        CUDA the decision counts the device memory the model does not own (optimizer state),
+        which grows after the first step (momentum, Adam's moments): every later step reads
+        it again, once (untouched_holds), and where the step would not fit, that call runs a
+        managed plan of the same graph within what is left, kept beside the untouched one:
+        the next step that fits runs untouched again (the same holds for "auto" choosing
+        liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work. On CUDA the budget also holds what the model does not
         own, read before every step: where that grew past what a managed plan leaves (the
@@ -78,7 +76,6 @@ from .machine import machine_of
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 from .structure import Structure
-from .untouched import UntouchedWatch
 from .workspaces import end_stale
 
 # a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
@@ -160,7 +157,6 @@ class SuperNeuronsModule(nn.Module):
         self._unreported: dict = {}
         self._last = None
         self._caps = {}                # device -> AllocatorCap (Rule 8)
-        self._untouched = UntouchedWatch()  # call key -> an untouched step's excess (Rule 2)
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
                          self._retiring).atexit = False
@@ -186,16 +182,14 @@ class SuperNeuronsModule(nn.Module):
             if key in self._dropped:
                 self._warn_recapture()
             try:
-                planned, foreign = self._make(key, args, kwargs, tensors, device, autocast,
-                                              packed)
+                planned = self._executors[key] = self._make(key, args, kwargs, tensors, device,
+                                                             autocast, packed)
             except BaseException:
                 self._unreported.pop(key, None)       # no plan: no step will report its making
                 raise
-            self._executors[key] = planned
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
-            # an untouched step's watch takes the reading (Rule 2); an executor reads its own
-            return key, planned, foreign if planned[1] is None else None
+            return key, planned, None
         self._executors.move_to_end(key)
         plan, executor = planned
         if self.budget_bytes is None or not reads_device_memory(device) or \
@@ -211,28 +205,25 @@ class SuperNeuronsModule(nn.Module):
         foreign = foreign_bytes(plan.graph, tensors, device, parameters,
                                 state_on_device=self.state == "device")
         plans = self._executors
-        beside, excess = foreign, 0   # what the plan must leave room for, and of it the excess
         if executor is None:                                                     # Rule 2
-            excess = self._untouched.excess.get(key, 0)
-            if untouched_holds(plan.peak_bytes + excess, self.budget_bytes, foreign):
+            if untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
                 return key, planned, foreign
             # kept beside the untouched plan: memory others hold may be passing (a previous
             # micro-batch's activations, another model's step)
             plans = self._fallbacks
-            beside += excess
             if key not in plans:
-                log.info("optimizer state fills the device, or the untouched step passed its "
-                         "plan: planning the step within what is left")
-                plans[key] = self._plan(key, plan.graph, device, beside, excess)
+                log.info("optimizer state fills the device: planning the step within what "
+                         "is left")
+                plans[key] = self._plan(key, plan.graph, device, foreign)
             plan, executor = plans[key]
-        if plan.peak_bytes + beside > self.budget_bytes:                         # Rule 3
+        if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
-                     "what is left", format_bytes(beside))
+                     "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
                 replanned = self._plan(key, plan.graph, device,
-                                       beside + self.budget_bytes // REPLAN_SLACK, excess)
+                                       foreign + self.budget_bytes // REPLAN_SLACK)
             except BudgetError:
-                replanned = self._plan(key, plan.graph, device, beside, excess)
+                replanned = self._plan(key, plan.graph, device, foreign)
             self._drop(executor)
             plans[key] = replanned
         return key, plans[key], foreign
@@ -259,7 +250,6 @@ class SuperNeuronsModule(nn.Module):
         self._drop(self._executors.pop(key)[1])
         self._drop(self._fallbacks.pop(key, (None, None))[1])
         self._unreported.pop(key, None)
-        self._untouched.excess.pop(key, None)
 
     def _drop(self, executor) -> None:
         """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
@@ -327,12 +317,11 @@ class SuperNeuronsModule(nn.Module):
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
                                     state_on_device=self.state == "device")
-        return self._plan(key, graph, device, foreign), foreign
+        return self._plan(key, graph, device, foreign)
 
-    def _plan(self, key, graph, device, foreign: int | None, passed: int = 0):
+    def _plan(self, key, graph, device, foreign: int | None):
         """(plan, executor or None) for a captured graph, within the budget less ``foreign``
-        bytes on the device that the model does not own (None: not counted), of which
-        ``passed`` are what its untouched step used beyond its plan (Rule 2)."""
+        bytes on the device that the model does not own (None: not counted)."""
         log.info("planning %d layers: %s within %s", len(graph.layers), self.policy,
                  "its own floor" if self.budget_bytes is None else format_bytes(self.budget_bytes))
         began = time.perf_counter()
@@ -347,9 +336,6 @@ class SuperNeuronsModule(nn.Module):
             whose = ("the optimizer's state, made by its first step (momentum, Adam's moments), "
                      "and the caller's other tensors" if self.state == "device" else
                      "the caller's other tensors")
-            if passed:
-                whose += (f"; counted with them, {format_bytes(passed)} its untouched step used "
-                          "beyond its plan (cuDNN's workspaces, kernels' temporaries)")
             raise BudgetError(
                 f"policy {error.policy!r} needs at least {format_bytes(error.peak_bytes)} for "
                 f"this model and input{error.hint}, and {format_bytes(foreign)} on {device} "
@@ -398,15 +384,15 @@ class SuperNeuronsModule(nn.Module):
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
         key, (plan, executor), foreign = self._planned(args, kwargs)
         made = self._unreported.pop(key, {})          # the plan's making, on its first step
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        device = executor.device if executor is not None else self._device(tensors)
+        device = executor.device if executor is not None else \
+            self._device([t for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self._last = (plan, executor, device, made)
         if executor is None:
-            watch = foreign is not None and self.policy in _DECIDES_UNTOUCHED   # Rule 2
             try:
-                out = self._capped(device, lambda: self.model(*args, **kwargs))   # Rule 8
+                return self._capped(device, lambda: self.model(*args, **kwargs))  # Rule 8
             except torch.OutOfMemoryError as error:
                 if not self.strict_budget:
                     raise
@@ -416,9 +402,6 @@ class SuperNeuronsModule(nn.Module):
                     "between layers, and the allocator is limited to the budget. Raise the "
                     "budget, or leave strict_budget off (the step may then pass the budget "
                     "there)") from error
-            if watch:
-                self._untouched.watch(key, out, device, plan.peak_bytes + foreign)
-            return out
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
