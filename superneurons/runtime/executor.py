@@ -63,11 +63,11 @@ from .handles import PoolRef
 from .calibration import Calibration
 from .pool import TensorPool
 from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
-from .saved import FitOutOfMemory, SavedTensors
+from .saved import SavedTensors
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateTier
-from .workspaces import WorkspaceFit, end_stale, fits_on, grad_bytes
+from .workspaces import FitOutOfMemory, WorkspaceFit, end_stale, fits_on, grad_bytes
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so

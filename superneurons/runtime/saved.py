@@ -10,10 +10,7 @@ from ..planner import Action, Policy
 from ..units import format_bytes
 from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
 from .state import StateRef
-
-
-class FitOutOfMemory(torch.OutOfMemoryError):
-    """A convolution ran out of device memory under its workspace limit (executor Rule 9)."""
+from .workspaces import FitOutOfMemory
 
 
 class SavedTensors:
@@ -83,14 +80,15 @@ class SavedTensors:
 
     def _after_out_of_memory(self, error: torch.OutOfMemoryError, step: int,
                              forward: bool) -> None:
-        """Before Rule 5's retry at ``step``: an out-of-memory under a workspace limit (Rule 9)
-        is that limit's, and the retry runs without it; any other says the calibrated excess
-        is short (the next steps calibrate again, Rule 4), and all that may leave goes."""
+        """Before Rule 5's retry at ``step``, all that may leave the device goes. An
+        out-of-memory under a workspace limit (Rule 9) may be that limit's: the retry runs
+        without it, and the calibration stands; any other says the calibrated excess is short,
+        and the next steps calibrate again (Rule 4)."""
         if isinstance(error, FitOutOfMemory):
             self.unfitted = True
         else:
             self.calibration.again()
-            self.pool.make_room(step, forward=forward, limit=0)
+        self.pool.make_room(step, forward=forward, limit=0)
 
     def _enter_backward_step(self, step: int) -> None:
         if step != self.backward_step:

@@ -61,6 +61,10 @@ def _stats(index: int) -> tuple:
     return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
 
 
+class FitOutOfMemory(torch.OutOfMemoryError):
+    """A convolution ran out of device memory under its workspace limit (executor Rule 9)."""
+
+
 class _Running(NamedTuple):
     """A backward convolution running under its limit."""
     fit: "WorkspaceFit"
