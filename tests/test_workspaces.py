@@ -274,3 +274,17 @@ def test_a_convolution_out_of_memory_under_its_limit_runs_again_unfitted(monkeyp
     out.backward()
     assert calls and torch.allclose(out, expected)
     assert executor.calibration.left == left and not executor.unfitted
+
+
+def test_a_wrapped_forward_gives_back_a_limit_a_raising_backward_left(monkeypatch):
+    """Whichever path the next step takes (here an untouched one, a budget liveness fits)."""
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    fit._backward_begins([MiB])                     # its node raised: no hook ran
+    assert fake.fraction < 1.0
+    x = torch.randn(4, 64, 16, 16)
+    liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
+    wrapped = sn.wrap(_net("cpu"), budget=4 * liveness)
+    wrapped(x)
+    assert fake.fraction == 1.0 and not fit.limiting
