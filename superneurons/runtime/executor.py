@@ -43,9 +43,10 @@ Rule 8: in forward, after the room for the next layer is made, the copies that t
 Rule 9: on CUDA, while the plan calibrates, each convolution (its forward, replays and
         backward) runs with the allocator limited to the room the budget leaves beside it, so
         that the cuDNN engines PyTorch chooses and keeps have workspaces that fit
-        (workspaces.py): they would otherwise take what the device allows. One that runs out
-        of memory under its limit is retried without it (Rule 5's retry), and the calibration
-        is not made again for it: the limit failed, not the plan.
+        (workspaces.py): they would otherwise take what the device allows. A forward or
+        replayed one that runs out of memory under its limit is retried without it (Rule 5's
+        retry), and the calibration is not made again for it: the limit failed, not the plan.
+        A backward one's out-of-memory is autograd's, beyond reach (Rule 5).
 """
 
 import logging
