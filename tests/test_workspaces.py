@@ -135,7 +135,7 @@ def test_a_backward_that_raised_gives_the_callers_limit_back(monkeypatch):
     fit._backward_begins([MiB])
     assert workspaces._running[0][2] == 1.0          # the caller's, not the first limit
     assert fake.fraction < 1.0
-    workspaces.end_stale(CUDA0)
+    workspaces.end_stale()
     assert fake.fraction == 1.0 and not fit.limiting
 
 
@@ -215,7 +215,7 @@ def test_a_forward_inside_a_backward_leaves_the_running_convolutions_limit(monke
 
     def during_backward(grad):
         fit._backward_begins([MiB])
-        workspaces.end_stale(CUDA0)
+        workspaces.end_stale()
         kept.append(fit.limiting)
         workspaces._end(0)
         return grad

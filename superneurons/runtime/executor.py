@@ -68,7 +68,7 @@ from .saved import SavedTensors
 from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
     restored_buffers
 from .state import StateTier
-from .workspaces import FitOutOfMemory, WorkspaceFit, end_stale, fits_on, grad_bytes
+from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
@@ -235,8 +235,6 @@ class Executor(RoomKeeping, SavedTensors):
         caller has just read them (module Rule 3), else read here."""
         self.step_id += 1
         self._reset_stats()
-        if self.workspaces is not None:
-            end_stale(self.device)                                          # Rule 9
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
             self.tier.begin_step([self._named_state(name)
                                   for name in self.plan.resident_state])

@@ -78,17 +78,13 @@ class _Running(NamedTuple):
 _running: dict = {}
 
 
-def end_stale(device: torch.device | None = None) -> None:
+def end_stale() -> None:
     """Where no backward runs now, give back the caller's fraction that a backward
-    convolution's limit replaced, if one is left (its node raised, so its hook never ran); on
-    ``device``, or on every device."""
+    convolution's limit replaced, on every device where one is left (its node raised, so its
+    hook never ran). Each wrapped forward calls it (module.py)."""
     if not _running or torch._C._current_graph_task_id() != -1:
         return
-    if device is None:
-        indices = list(_running)
-    else:
-        indices = [device.index if device.index is not None else torch.cuda.current_device()]
-    for index in indices:
+    for index in list(_running):
         _end(index)
 
 
