@@ -6,9 +6,16 @@ DistilBertForSequenceClassification (a padded attention mask, dropout, its own l
 torchvision's lraspp_mobilenet_v3_large segmenter (a dict output, a per-pixel loss).
 3 AdamW steps from the same start and seed; losses and every parameter and buffer compared bit
 for bit. Policies: offload, recompute, superneurons at its floor and at a budget halfway to
-liveness (where the pool starts copies ahead of need, executor Rule 8).
+liveness (where the pool starts copies ahead of need, executor Rule 8). Also torchvision
+mnasnet0_5 (depthwise convolutions, dropout) and timm regnetx_002 (grouped convolutions).
 
-    python benchmarks/newcomers_exact.py OUT_DIR        (CPU; writes newcomers_exact.json)
+With --fit, every executor step runs as a calibrating CUDA step would, fitting each
+convolution's workspace (executor Rule 9: the limits, their lifting while saved tensors come
+back, the backward hooks) against a fake allocator: the CPU runs that path, and the record
+counts the limits set and whether the caller's fraction came back.
+
+    python benchmarks/newcomers_exact.py OUT_DIR [--fit]
+        (CPU; writes newcomers_exact.json, or newcomers_fit.json)
 """
 
 import copy
@@ -78,9 +85,56 @@ def lraspp():
     return model, (x,), {}, lambda out: F.cross_entropy(out["out"], y)
 
 
+def mnasnet():
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.mnasnet0_5(num_classes=10).train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+
+
+def regnetx():
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("regnetx_002", pretrained=False, num_classes=10).train()
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+
+
 MODELS = {"torchvision shufflenet_v2_x0_5": shufflenet, "HF RobertaForMaskedLM": roberta,
           "timm mobilevit_xxs": mobilevit, "HF DistilBertForSequenceClassification": distilbert,
-          "torchvision lraspp_mobilenet_v3_large": lraspp}
+          "torchvision lraspp_mobilenet_v3_large": lraspp, "torchvision mnasnet0_5": mnasnet,
+          "timm regnetx_002": regnetx}
+
+
+class FakeFit:
+    """CUDA's per-process fraction and allocator statistics faked (an 80 GiB device, 1 GiB
+    allocated), and every executor step made a calibrating one that fits its convolutions."""
+
+    def __init__(self):
+        from superneurons.runtime import workspaces
+        from superneurons.runtime.executor import Executor
+        self.fraction, self.limits = 1.0, 0
+        torch.cuda.get_device_properties = \
+            lambda index: type("Properties", (), {"total_memory": 80 << 30})
+        torch.cuda.get_per_process_memory_fraction = lambda index=None: self.fraction
+        torch.cuda.set_per_process_memory_fraction = self.set
+        torch.cuda.empty_cache = lambda: None
+        workspaces._stats = lambda index: (1 << 30, (1 << 30) + (64 << 20))
+        run = Executor.run
+
+        def calibrating_run(executor, args, foreign=None):
+            if executor.workspaces is None:
+                executor.workspaces = workspaces.WorkspaceFit(
+                    torch.device("cuda", 0), budget_bytes=2 << 30, slack_bytes=0)
+                executor.calibration.read = lambda: 0          # no CUDA statistics
+            executor.calibrating = True     # run() sets it on CUDA only: it stays
+            return run(executor, args, foreign)
+        Executor.run = calibrating_run
+
+    def set(self, fraction, index=None):
+        self.fraction = fraction
+        self.limits += fraction < 1.0
 
 
 def train(model, run, args, kwargs, loss_of) -> list:
@@ -97,6 +151,7 @@ def train(model, run, args, kwargs, loss_of) -> list:
 
 
 def main():
+    fit = FakeFit() if "--fit" in sys.argv else None
     rows = []
     for name, make in MODELS.items():
         base, args, kwargs, loss_of = make()
@@ -116,9 +171,12 @@ def main():
             rows.append({"model": name, "policy": policy, "budget_bytes": budget,
                          "bit_identical": same, "offloaded_bytes": stats.offloaded_bytes,
                          "recomputed_layers": stats.recomputed_layers})
+            if fit is not None:
+                rows[-1].update(limits_set=fit.limits, callers_fraction_back=fit.fraction == 1.0)
+                fit.limits = 0
             print(rows[-1], flush=True)
-    write(os.path.join(sys.argv[1], "newcomers_exact.json"),
-          {"steps": STEPS, "rows": rows})
+    write(os.path.join(sys.argv[1], "newcomers_fit.json" if fit else "newcomers_exact.json"),
+          {"steps": STEPS, "fit": fit is not None, "rows": rows})
 
 
 if __name__ == "__main__":
