@@ -31,12 +31,17 @@ from common import write
 STEPS = 3
 
 
+def _classifier(build, batch: int = 4):
+    """An image classifier from ``build()`` (10 classes), a batch of 64 px images, its loss."""
+    torch.manual_seed(0)
+    model = build().train()
+    x, y = torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,))
+    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+
+
 def shufflenet():
     import torchvision
-    torch.manual_seed(0)
-    model = torchvision.models.shufflenet_v2_x0_5(num_classes=10).train()
-    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
-    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+    return _classifier(lambda: torchvision.models.shufflenet_v2_x0_5(num_classes=10))
 
 
 def roberta():
@@ -54,11 +59,8 @@ def roberta():
 
 def mobilevit():
     import timm
-    torch.manual_seed(0)
-    model = timm.create_model("mobilevit_xxs", pretrained=False, num_classes=10,
-                              drop_path_rate=0.1).train()
-    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
-    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+    return _classifier(lambda: timm.create_model("mobilevit_xxs", pretrained=False,
+                                                 num_classes=10, drop_path_rate=0.1), batch=2)
 
 
 def distilbert():
@@ -87,18 +89,13 @@ def lraspp():
 
 def mnasnet():
     import torchvision
-    torch.manual_seed(0)
-    model = torchvision.models.mnasnet0_5(num_classes=10).train()
-    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
-    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+    return _classifier(lambda: torchvision.models.mnasnet0_5(num_classes=10))
 
 
 def regnetx():
     import timm
-    torch.manual_seed(0)
-    model = timm.create_model("regnetx_002", pretrained=False, num_classes=10).train()
-    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
-    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
+    return _classifier(lambda: timm.create_model("regnetx_002", pretrained=False,
+                                                 num_classes=10))
 
 
 MODELS = {"torchvision shufflenet_v2_x0_5": shufflenet, "HF RobertaForMaskedLM": roberta,
