@@ -32,10 +32,11 @@ GRACE_S = 120.0                 # past --seconds the parent stops a child stuck 
 # exactly from step to step, the host's resident memory moves with Python's and glibc's own
 ALLOCATED_TOLERANCE = 2**20
 RSS_TOLERANCE = 64 * 2**20
-# per step; the last four are the wrapped model's stats (a new predicted peak: a new plan)
+# per step; the last five are the wrapped model's stats (a new predicted peak: a new plan;
+# policy "liveness": the step ran untouched)
 FIELDS = ("seconds", "peak_allocated_bytes", "peak_reserved_bytes", "allocated_bytes",
           "rss_bytes", "offloaded_bytes", "prefetched_bytes", "recomputed_layers",
-          "predicted_peak_bytes")
+          "predicted_peak_bytes", "policy")
 
 
 def summarize(steps: dict, budget_bytes: int | None, out_of_memory=None,
@@ -70,6 +71,7 @@ def summarize(steps: dict, budget_bytes: int | None, out_of_memory=None,
         "reserved_growth_bytes": growth("peak_reserved_bytes"),
         "rss_growth_bytes": growth("rss_bytes"),
         "out_of_memory": out_of_memory,
+        "untouched_steps": sum(policy == "liveness" for policy in steps.get("policy", [])),
     }
     summary["grows"] = any(g is not None and g > tolerance for g, tolerance in (
         (summary["allocated_growth_bytes"], ALLOCATED_TOLERANCE),
@@ -127,7 +129,7 @@ def measure(args, network: str, batch: int, path: str) -> None:
                     torch.cuda.max_memory_reserved() if cuda else None,
                     torch.cuda.memory_allocated() if cuda else None, rss_bytes(),
                     stats.offloaded_bytes, stats.prefetched_bytes, stats.recomputed_layers,
-                    stats.predicted_peak_bytes)):
+                    stats.predicted_peak_bytes, stats.policy)):
                 steps[field].append(value)
             if step == 1 or step % 50 == 0:
                 print(progress(network, batch, step, steps), flush=True)

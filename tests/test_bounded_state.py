@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import superneurons as sn
 from superneurons import models
-from superneurons.runtime import host, module
+from superneurons.runtime import host, module, untouched
 from superneurons.runtime.executor import Executor
 
 
@@ -212,11 +212,15 @@ def test_untouched_holds_with_fake_byte_counts():
 
 
 class FakeDevice:
-    """Fake counts of device memory the model does not own, as if the step ran on CUDA."""
+    """Fake counts of device memory the model does not own, as if the step ran on CUDA; no
+    managed warm-up and no margin for what untouched steps use between layers (those are
+    test_untouched_watch.py's)."""
 
     def __init__(self, monkeypatch, foreign: int = 0):
         self.foreign, self.calls = foreign, 0
         monkeypatch.setattr(module, "reads_device_memory", lambda device: True)
+        monkeypatch.setattr(untouched, "UNTOUCHED_MARGIN", 0)
+        monkeypatch.setattr(untouched, "WARMUP_STEPS", 0)
         monkeypatch.setattr(module, "foreign_bytes", self.read)
 
     def read(self, graph, tensors, device, parameters, state_on_device=True) -> int:

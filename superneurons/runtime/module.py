@@ -7,13 +7,14 @@ Rule 1: the plan is made at the first forward for each input structure, tensor s
         MAX_PLANS used last (Rule 5). Other Python state the forward reads is fixed at capture:
         replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
-        no hook, no copy, no replay (plain PyTorch already frees tensors after last use). On
-        CUDA the decision counts the device memory the model does not own (optimizer state),
-        which grows after the first step (momentum, Adam's moments): every later step reads
-        it again, once (untouched_holds), and where the step would not fit, that call runs a
-        managed plan of the same graph within what is left, kept beside the untouched one:
-        the next step that fits runs untouched again (the same holds for "auto" choosing
-        liveness).
+        no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA the
+        decision counts the device memory the model does not own (optimizer state), which
+        grows after the first step (momentum, Adam's moments), and a margin for what plain
+        PyTorch uses between layers, from the call's own steps once read (untouched.py):
+        every later step reads both again, once (untouched_holds), and where the step would
+        not fit, that call runs a managed plan of the same graph within what is left, kept
+        beside the untouched one: the next step that fits runs untouched again (the same
+        holds for "auto" choosing liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work. On CUDA the budget also holds what the model does not
         own, read before every step: where that grew past what a managed plan leaves (the
@@ -76,6 +77,7 @@ from .machine import machine_of
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats
 from .structure import Structure
+from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
 
 # a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
@@ -157,6 +159,7 @@ class SuperNeuronsModule(nn.Module):
         self._unreported: dict = {}
         self._last = None
         self._caps = {}                # device -> AllocatorCap (Rule 8)
+        self._untouched = UntouchedWatch()   # call key -> its untouched steps' margin (Rule 2)
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
                          self._retiring).atexit = False
@@ -177,53 +180,62 @@ class SuperNeuronsModule(nn.Module):
         key = (key, structure, autocast, packed)
         if self._retiring:
             self._close_idle()
-        planned = self._executors.get(key)
+        planned, foreign = self._executors.get(key), None
         if planned is None:
             if key in self._dropped:
                 self._warn_recapture()
             try:
-                planned = self._executors[key] = self._make(key, args, kwargs, tensors, device,
-                                                             autocast, packed)
+                planned, foreign = self._make(key, args, kwargs, tensors, device, autocast,
+                                              packed)
             except BaseException:
                 self._unreported.pop(key, None)       # no plan: no step will report its making
                 raise
+            self._executors[key] = planned
             while len(self._executors) > self.max_plans:                          # Rule 5
                 self._drop_key(next(iter(self._executors)))
-            return key, planned, None
-        self._executors.move_to_end(key)
+            if planned[1] is not None or self.policy not in _DECIDES_UNTOUCHED:
+                return key, planned, None          # an executor reads the device itself
+        else:
+            self._executors.move_to_end(key)
         plan, executor = planned
-        if self.budget_bytes is None or not reads_device_memory(device) or \
-                (executor is None and self.policy not in _DECIDES_UNTOUCHED):
-            return key, planned, None
-        if executor is not None:
-            # a step of this wrapper still in flight (gradient accumulation: two forwards,
-            # then one backward) holds bytes the reading would take for another's; the
-            # executor's own reading at the step's start counts them against its pool
-            if self._in_flight():
+        if foreign is None:
+            if self.budget_bytes is None or not reads_device_memory(device) or \
+                    (executor is None and self.policy not in _DECIDES_UNTOUCHED):
                 return key, planned, None
-            self._keep_state_of(None)      # other plans' resident copies are not another's
-        foreign = foreign_bytes(plan.graph, tensors, device, parameters,
-                                state_on_device=self.state == "device")
+            if executor is not None:
+                # a step of this wrapper still in flight (gradient accumulation: two forwards,
+                # then one backward) holds bytes the reading would take for another's; the
+                # executor's own reading at the step's start counts them against its pool
+                if self._in_flight():
+                    return key, planned, None
+                self._keep_state_of(None)  # other plans' resident copies are not another's
+            foreign = foreign_bytes(plan.graph, tensors, device, parameters,
+                                    state_on_device=self.state == "device")
         plans = self._executors
         if executor is None:                                                     # Rule 2
-            if untouched_holds(plan.peak_bytes, self.budget_bytes, foreign):
+            margin = self._untouched.margin(key, plan.peak_bytes, self.budget_bytes)
+            if self._untouched.warm(key) and \
+                    untouched_holds(plan.peak_bytes + margin, self.budget_bytes, foreign):
                 return key, planned, foreign
             # kept beside the untouched plan: memory others hold may be passing (a previous
             # micro-batch's activations, another model's step)
             plans = self._fallbacks
             if key not in plans:
-                log.info("optimizer state fills the device: planning the step within what "
-                         "is left")
-                plans[key] = self._plan(key, plan.graph, device, foreign)
+                log.info("planning the step managed within what is left (its first, or the "
+                         "optimizer's state or the untouched step's excess fills the budget)")
+                plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
+            self._untouched.warming(key)
             plan, executor = plans[key]
         if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
                 replanned = self._plan(key, plan.graph, device,
-                                       foreign + self.budget_bytes // REPLAN_SLACK)
+                                       foreign + self.budget_bytes // REPLAN_SLACK,
+                                       untouched=plans is self._executors)
             except BudgetError:
-                replanned = self._plan(key, plan.graph, device, foreign)
+                replanned = self._plan(key, plan.graph, device, foreign,
+                                       untouched=plans is self._executors)
             self._drop(executor)
             plans[key] = replanned
         return key, plans[key], foreign
@@ -250,6 +262,7 @@ class SuperNeuronsModule(nn.Module):
         self._drop(self._executors.pop(key)[1])
         self._drop(self._fallbacks.pop(key, (None, None))[1])
         self._unreported.pop(key, None)
+        self._untouched.forget(key)
 
     def _drop(self, executor) -> None:
         """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
@@ -317,11 +330,12 @@ class SuperNeuronsModule(nn.Module):
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
                                     state_on_device=self.state == "device")
-        return self._plan(key, graph, device, foreign)
+        return self._plan(key, graph, device, foreign), foreign
 
-    def _plan(self, key, graph, device, foreign: int | None):
+    def _plan(self, key, graph, device, foreign: int | None, untouched: bool = True):
         """(plan, executor or None) for a captured graph, within the budget less ``foreign``
-        bytes on the device that the model does not own (None: not counted)."""
+        bytes on the device that the model does not own (None: not counted); ``untouched``:
+        whether it may be the model run untouched (Rule 2)."""
         log.info("planning %d layers: %s within %s", len(graph.layers), self.policy,
                  "its own floor" if self.budget_bytes is None else format_bytes(self.budget_bytes))
         began = time.perf_counter()
@@ -329,7 +343,7 @@ class SuperNeuronsModule(nn.Module):
         self._made(key, machine_seconds=time.perf_counter() - began)
         began = time.perf_counter()
         try:
-            planned = self._choose_plan(graph, device, foreign, machine)
+            planned = self._choose_plan(key, graph, device, foreign, machine, untouched)
         except BudgetError as error:
             if not foreign:
                 raise
@@ -350,26 +364,36 @@ class SuperNeuronsModule(nn.Module):
                  "" if executor is not None else "; the model runs untouched")
         return planned
 
-    def _choose_plan(self, graph, device, foreign: int | None, machine):
+    def _choose_plan(self, key, graph, device, foreign: int | None, machine, untouched: bool):
         """_plan's choice of policy and executor; ``machine``: the device's rates."""
         budget = self.budget_bytes
         if budget is not None and foreign is not None:
             budget = budget_left(budget, foreign, device)
         host = self.state == "host"
+
+        def untouched_fits(plan) -> bool:         # Rule 2: with a margin where CUDA is read
+            return untouched and (foreign is None or plan.peak_bytes + self._untouched.margin(
+                key, plan.peak_bytes, self.budget_bytes) <= budget)
         if budget is not None and self.policy in _MANAGED:
             try:
                 liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state,
                                       machine)
-                if not host:
-                    return liveness, None                                         # Rule 2
+            except ValueError:
+                liveness = None
+            if liveness is not None and host:
                 return liveness, Executor(liveness, device, self.budget_bytes,
                                           model=self.model)                         # Rule 6
-            except ValueError:
-                pass
+            if liveness is not None and untouched_fits(liveness):
+                return liveness, None                                             # Rule 2
         plan = plan_graph(graph, self.policy, budget, self.strategy, self.state,  # Rule 3
                           machine)
         if plan.policy not in _MANAGED and not host:
-            return plan, None
+            if self.policy is not Policy.AUTO or untouched_fits(plan):
+                return plan, None
+            # "auto" chose liveness, which fits without the margin: the managed plan that
+            # replays only what the budget needs, its executor calibrating the excess
+            plan = plan_graph(graph, Policy.SUPERNEURONS, budget, self.strategy, self.state,
+                              machine)
         if self.budget_bytes is None:
             return plan, Executor(plan, device, plan.peak_bytes, count_foreign=False,
                                   model=self.model)
@@ -387,12 +411,12 @@ class SuperNeuronsModule(nn.Module):
         device = executor.device if executor is not None else \
             self._device([t for t in pytree.tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor)])
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        self._untouched.cancel()     # an earlier untouched step without a backward (Rule 2)
+        reset_peak(device)                                              # StepStats, Rule 2
         self._last = (plan, executor, device, made)
         if executor is None:
             try:
-                return self._capped(device, lambda: self.model(*args, **kwargs))  # Rule 8
+                out = self._capped(device, lambda: self.model(*args, **kwargs))   # Rule 8
             except torch.OutOfMemoryError as error:
                 if not self.strict_budget:
                     raise
@@ -402,6 +426,9 @@ class SuperNeuronsModule(nn.Module):
                     "between layers, and the allocator is limited to the budget. Raise the "
                     "budget, or leave strict_budget off (the step may then pass the budget "
                     "there)") from error
+            if foreign is not None and self.policy in _DECIDES_UNTOUCHED:      # Rule 2
+                self._untouched.watch(key, out, device, plan.peak_bytes + foreign)
+            return out
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
@@ -474,7 +501,7 @@ class SuperNeuronsModule(nn.Module):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
         for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last",
-                     "_caps"):
+                     "_caps", "_untouched"):
             del state[name]           # __setstate__ makes them anew (_init_plans)
         # a process group does not travel: a copy trains alone until wrapped with one again
         state["_data_parallel"] = None

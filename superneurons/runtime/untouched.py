@@ -1,0 +1,109 @@
+"""When an untouched step holds the budget (module Rule 2), on CUDA.
+
+An untouched step is plain PyTorch. Its liveness plan counts tensors, not what runs between
+them: cuDNN's workspaces, which take what the device leaves, kernels' temporaries, and a loss
+computed outside the model. ResNet-50 fp32 peaked 3.3% above its liveness plan on the H200 and
+GPT-2 small fp32 5.7% (benchmarks/results/untouched_margin.json). A managed step calibrates
+such excess and fits its convolutions' workspaces to the budget (executor Rules 4 and 9), and
+cuDNN keeps, per shape and thread, the engine a convolution ran with (workspaces.py). So:
+
+Rule 1: a call's first WARMUP_STEPS steps run its managed plan though liveness fits: the
+        engines they choose fit the budget, and the untouched steps after run the same ones.
+Rule 2: a call then runs untouched only where its plan, the memory the model does not own and a
+        margin fit the budget. Until an untouched step of the call has been read, the margin
+        is UNTOUCHED_MARGIN of the plan; then it is the latest reading plus the executor's
+        slack: the latest, not the largest, and nothing here raises (a call the margin does
+        not fit runs its managed plan, whose executor calibrates its own excess).
+Rule 3: a reading is the device's peak from the step's forward (every wrapper resets the
+        statistic there) to the end of its backward, less the plan and what the model did
+        not own at the forward. It is dropped where any wrapper reset the statistic meanwhile
+        (another model's step, a second micro-batch).
+"""
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .calibration import SLACK_SHARE
+
+# twice the largest share measured (GPT-2 small fp32, 5.7%), rounded up to a power of two
+UNTOUCHED_MARGIN = 1 / 8
+# one managed step runs every convolution of the call, forward and backward, under its fit
+WARMUP_STEPS = 1
+
+# every reset of the peak statistic by any wrapper, so that a reading spanning one is dropped
+_resets = [0]
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a step's peak reading (every wrapper's forward, managed or not)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _resets[0] += 1
+
+
+def peak_allocated_bytes(device: torch.device) -> int | None:
+    """The allocator's peak since the last reset; None off CUDA or without its statistics."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return stats["allocated_bytes"]["all"]["peak"] if "allocated_bytes" in stats else None
+
+
+class UntouchedWatch:
+    """Per call key, its managed warm-up and what its untouched steps really used beyond the
+    plan (Rules 1-3)."""
+
+    def __init__(self):
+        self.warmups: dict = {}      # key -> managed steps run while liveness fit (Rule 1)
+        self.excess: dict = {}       # key -> the latest reading (may be below zero)
+        self._pending: list = []     # hook handles of the step being watched
+
+    def warm(self, key) -> bool:
+        """Rule 1: whether ``key``'s warm-up is done."""
+        return self.warmups.get(key, 0) >= WARMUP_STEPS
+
+    def warming(self, key) -> None:
+        """A managed step of ``key`` is about to run."""
+        self.warmups[key] = self.warmups.get(key, 0) + 1
+
+    def margin(self, key, plan_peak_bytes: int, budget_bytes: int) -> int:
+        """Rule 2: what an untouched step of ``key`` needs beside its plan."""
+        excess = self.excess.get(key)
+        if excess is None:
+            return int(UNTOUCHED_MARGIN * plan_peak_bytes)
+        return max(0, excess) + int(SLACK_SHARE * budget_bytes)
+
+    def watch(self, key, out, device: torch.device, predicted: int) -> None:
+        """After an untouched forward that returned ``out``: read the step's peak against
+        ``predicted`` (its plan and the bytes the model did not own) once its backward ends.
+        A hook on each output that has a backward only sees the first gradient pass and
+        queues the reading for the backward's end."""
+        self.cancel()                  # an earlier step never backpropagated: not read
+        resets = _resets[0]
+        queued = []
+
+        def on_gradient(grad):
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._ended(key, device, predicted, resets))
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                self._pending.append(tensor.register_hook(on_gradient))
+
+    def cancel(self) -> None:
+        """Remove the hooks of the step being watched (an output returned again by a later
+        step would otherwise gather them)."""
+        for handle in self._pending:
+            handle.remove()
+        self._pending.clear()
+
+    def forget(self, key) -> None:
+        self.warmups.pop(key, None)
+        self.excess.pop(key, None)
+
+    def _ended(self, key, device: torch.device, predicted: int, resets: int) -> None:
+        self.cancel()
+        peak = peak_allocated_bytes(device)
+        if peak is not None and resets == _resets[0]:                        # Rule 3
+            self.excess[key] = peak - predicted

@@ -1,0 +1,130 @@
+"""When an untouched step holds the budget (runtime/untouched.py, module Rule 2): a margin
+beside the plan until the call's steps are read, then the latest reading. The CPU cases fake
+CUDA's reading of device memory and of the step's peak."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import superneurons as sn
+from superneurons.runtime import module, untouched
+from superneurons.runtime.calibration import SLACK_SHARE
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(8, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+X, Y = torch.randn(16, 8, 16, 16), torch.randint(0, 10, (16,))
+LIVENESS = sn.plan(_net(), X, policy="liveness").peak_bytes
+ROOMY = LIVENESS + int(untouched.UNTOUCHED_MARGIN * LIVENESS)    # untouched once warm
+
+
+class FakeDevice:
+    """Device memory read as on CUDA: nothing the model does not own, and each step's peak
+    the liveness plan's plus ``excess`` (set before the step)."""
+
+    def __init__(self, monkeypatch):
+        self.excess = 0
+        monkeypatch.setattr(module, "reads_device_memory", lambda device: True)
+        monkeypatch.setattr(module, "foreign_bytes", lambda *args, **kwargs: 0)
+        monkeypatch.setattr(untouched, "peak_allocated_bytes",
+                            lambda device: LIVENESS + self.excess)
+
+
+def _train(model, excesses, device=None):
+    """SGD steps with momentum; per step (loss, whether it ran untouched) for a wrapper."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = []
+    for excess in excesses:
+        if device is not None:
+            device.excess = excess
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(X), Y)
+        ran_untouched = getattr(model, "_last", (None, None))[1] is None
+        loss.backward()
+        optimizer.step()
+        steps.append((loss.detach(), ran_untouched))
+    return steps
+
+
+def _same_losses(steps, plain_steps):
+    return all(torch.equal(a, b) for (a, _), (b, _) in zip(steps, plain_steps))
+
+
+@pytest.mark.parametrize("policy", ["superneurons", "auto"])
+def test_a_call_warms_up_managed_and_runs_untouched_only_with_the_margin(monkeypatch, policy):
+    """Rules 1 and 2: the first step is managed (its convolutions' engines fitted); a budget
+    within the margin of liveness stays managed."""
+    device = FakeDevice(monkeypatch)
+    plain = _train(_net(), [0] * 3)
+    near = sn.wrap(_net(), policy=policy, budget=LIVENESS + LIVENESS // 16)
+    steps = _train(near, [0] * 3, device)
+    assert [u for _, u in steps] == [False] * 3 and _same_losses(steps, plain)
+    roomy = sn.wrap(_net(), policy=policy, budget=ROOMY)
+    steps = _train(roomy, [0] * 3, device)
+    assert [u for _, u in steps] == [False, True, True] and _same_losses(steps, plain)
+
+
+def test_off_cuda_neither_warm_up_nor_margin_applies():
+    wrapped = sn.wrap(_net(), budget=LIVENESS)
+    assert [u for _, u in _train(wrapped, [0, 0])] == [True, True]
+    assert not wrapped._untouched.excess and not wrapped._untouched.warmups
+
+
+@pytest.mark.parametrize("excesses, ran_untouched", [
+    ([0, 0, 0, 0], [False, True, True, True]),
+    ([0, LIVENESS // 4, 0, 0], [False, True, False, False]),
+    ([0, 0, LIVENESS // 4, 0], [False, True, True, False]),
+    # Rule 2: an excess no plan fits beside; the managed plan's executor calibrates it itself
+    ([0, 10 * LIVENESS, 0, 0], [False, True, False, False]),
+])
+def test_the_latest_reading_decides_the_next_step(monkeypatch, excesses, ran_untouched):
+    device = FakeDevice(monkeypatch)
+    assert LIVENESS // 4 > ROOMY - LIVENESS                   # passes the margin when read
+    assert int(SLACK_SHARE * ROOMY) <= ROOMY - LIVENESS       # a reading of 0 fits
+    wrapped = sn.wrap(_net(), budget=ROOMY)
+    steps = _train(wrapped, excesses, device)
+    assert [u for _, u in steps] == ran_untouched
+    assert _same_losses(steps, _train(_net(), excesses))
+
+
+def test_a_reading_across_another_wrappers_forward_is_dropped(monkeypatch):
+    device = FakeDevice(monkeypatch)
+    first, other = sn.wrap(_net(), budget=ROOMY), sn.wrap(_net(), budget=ROOMY)
+    device.excess = LIVENESS          # would make either wrapper's next steps managed
+    for step in range(3):
+        loss = F.cross_entropy(first(X), Y)
+        F.cross_entropy(other(X), Y).backward()       # resets the peak statistic
+        loss.backward()
+    assert not first._untouched.excess and first._last[1] is None
+    assert other._untouched.excess                    # its own step was read
+
+
+def test_hooks_do_not_gather_on_steps_without_a_backward(monkeypatch):
+    device = FakeDevice(monkeypatch)
+    wrapped = sn.wrap(_net(), budget=ROOMY)
+    _train(wrapped, [0], device)                      # the managed warm-up
+    outs = [wrapped(X) for _ in range(3)]
+    assert all(not out._backward_hooks for out in outs[:2])
+    assert len(wrapped._untouched._pending) == 1
+    F.cross_entropy(outs[2], Y).backward()
+    assert not wrapped._untouched._pending and not outs[2]._backward_hooks
+    assert wrapped._untouched.excess                  # the last step was read
+
+
+def test_a_dropped_call_forgets_its_warm_up_and_readings(monkeypatch):
+    device = FakeDevice(monkeypatch)
+    wrapped = sn.wrap(_net(), budget=ROOMY)
+    _train(wrapped, [0, 0], device)
+    assert wrapped._untouched.excess and wrapped._untouched.warmups
+    copy.deepcopy(wrapped)                             # hooks and readings do not travel
+    wrapped.replan()
+    assert not wrapped._untouched.excess and not wrapped._untouched.warmups
