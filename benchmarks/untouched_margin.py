@@ -1,7 +1,7 @@
 """How far the untouched path's real peak lies above its plan, and whether the wrapper holds
 the budget there (module Rule 2, runtime/untouched.py).
 
-    python benchmarks/untouched_margin.py OUT.json MODEL:DTYPE [...]
+    python benchmarks/untouched_margin.py OUT.json MODEL:DTYPE[:plan|:margin] [...]
 
 Models, batches and inputs as ratio.py builds them; plain SGD without momentum, so that what the
 model does not own stays the same from step to step. Per config, fresh processes: plain PyTorch
@@ -28,6 +28,7 @@ def child(name: str, dtype: str, system: str, strict: str, budget_at: str) -> di
     import torch
     import superneurons as sn
     from superneurons.runtime.room import foreign_bytes
+    from superneurons.runtime.calibration import SLACK_SHARE
     from superneurons.runtime.untouched import UNTOUCHED_MARGIN
     from common import torch_settings
     from ratio import build
@@ -41,8 +42,8 @@ def child(name: str, dtype: str, system: str, strict: str, budget_at: str) -> di
     foreign = foreign_bytes(plan.graph, tensors, device, model.parameters(),
                             state_on_device=True)
     budget = plan.peak_bytes + foreign
-    if budget_at == "margin":
-        budget += int(UNTOUCHED_MARGIN * plan.peak_bytes)
+    if budget_at == "margin":   # and the executor's slack: what the first step leaves (cuBLAS's
+        budget += int((UNTOUCHED_MARGIN + SLACK_SHARE) * plan.peak_bytes)   # workspaces) grows
     run = model if system == "plain" else sn.wrap(model, policy="superneurons", budget=budget,
                                                   strict_budget=strict == "1")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -76,8 +77,10 @@ def main():
     out = sys.argv[1]
     record = {"steps": STEPS, "rows": []}
     for config in sys.argv[2:]:
-        name, dtype = config.split(":")
+        name, dtype, *only = config.split(":")          # MODEL:DTYPE[:plan|margin]
         for system, strict, budget_at in SYSTEMS:
+            if only and budget_at not in only:
+                continue
             row = run_child([sys.executable, __file__, "--child", name, dtype, system, strict,
                              budget_at], 240, cwd=HERE)
             row = {"model": name, "dtype": dtype, "system": system, "budget_at": budget_at,
