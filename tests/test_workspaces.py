@@ -64,7 +64,8 @@ def test_a_workspace_gets_the_room_the_budget_leaves_beside_the_outputs(monkeypa
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=16 * MiB)
     with fit.fitted([256 * MiB]):
         room = 2 * GiB - 16 * MiB - GiB - 256 * MiB
-        assert fake.limit == pytest.approx(GiB + 8 * MiB + room, abs=1)
+        # the 8 MiB cached free are part of the room: a workspace may take them
+        assert fake.limit == pytest.approx(GiB + room, abs=1)
     assert fake.fraction == 1.0                     # the caller's limit is back
     assert fake.emptied == 0                        # 8 MiB cached free: less than the room
 
