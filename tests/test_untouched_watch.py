@@ -125,6 +125,29 @@ def test_a_dropped_call_forgets_its_warm_up_and_readings(monkeypatch):
     wrapped = sn.wrap(_net(), budget=ROOMY)
     _train(wrapped, [0, 0], device)
     assert wrapped._untouched.excess and wrapped._untouched.warmups
-    copy.deepcopy(wrapped)                             # hooks and readings do not travel
+    copied = copy.deepcopy(wrapped)                    # hooks and readings do not travel
+    assert not copied._untouched.excess and not copied._untouched.warmups
     wrapped.replan()
     assert not wrapped._untouched.excess and not wrapped._untouched.warmups
+
+
+def test_a_step_in_flight_when_its_plan_is_dropped_is_not_read(monkeypatch):
+    device = FakeDevice(monkeypatch)
+    wrapped = sn.wrap(_net(), budget=ROOMY)
+    _train(wrapped, [0], device)                       # the managed warm-up
+    device.excess = 10 * LIVENESS
+    loss = F.cross_entropy(wrapped(X), Y)              # untouched, watched
+    assert wrapped._last[1] is None
+    wrapped.replan()
+    loss.backward()
+    assert not wrapped._untouched.excess
+
+
+def test_looking_at_the_plan_is_not_the_warm_up(monkeypatch):
+    """plan_for() (the command line's look before training) answers as the step would and
+    leaves the first step managed."""
+    device = FakeDevice(monkeypatch)
+    wrapped = sn.wrap(_net(), budget=ROOMY)
+    for _ in range(2):
+        assert wrapped.plan_for(X)[1] is not None
+    assert [u for _, u in _train(wrapped, [0, 0], device)] == [False, True]

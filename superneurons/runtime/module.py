@@ -224,7 +224,6 @@ class SuperNeuronsModule(nn.Module):
                 log.info("planning the step managed within what is left (its first, or the "
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
-            self._untouched.warming(key)
             plan, executor = plans[key]
         if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
@@ -429,6 +428,8 @@ class SuperNeuronsModule(nn.Module):
             if foreign is not None and self.policy in _DECIDES_UNTOUCHED:      # Rule 2
                 self._untouched.watch(key, out, device, plan.peak_bytes + foreign)
             return out
+        if self._fallbacks.get(key, (None, None))[1] is executor:               # Rule 2
+            self._untouched.warming(key)       # a managed step runs, not plan_for's look
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)

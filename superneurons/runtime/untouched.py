@@ -13,11 +13,15 @@ Rule 2: a call then runs untouched only where its plan, the memory the model doe
         margin fit the budget. Until an untouched step of the call has been read, the margin
         is UNTOUCHED_MARGIN of the plan; then it is the latest reading plus the executor's
         slack: the latest, not the largest, and nothing here raises (a call the margin does
-        not fit runs its managed plan, whose executor calibrates its own excess).
+        not fit runs its managed plan, whose executor calibrates its own excess). Managed steps
+        are not read, so such a call runs untouched again only where what the model does not
+        own shrinks, and one whose plan was managed from the start (liveness fit, the margin
+        did not) stays managed.
 Rule 3: a reading is the device's peak from the step's forward (every wrapper resets the
         statistic there) to the end of its backward, less the plan and what the model did
         not own at the forward. It is dropped where any wrapper reset the statistic meanwhile
-        (another model's step, a second micro-batch).
+        (another model's step on the device, a second micro-batch), or where the call's plan
+        was dropped meanwhile.
 """
 
 import torch
@@ -30,23 +34,33 @@ UNTOUCHED_MARGIN = 1 / 8
 # one managed step runs every convolution of the call, forward and backward, under its fit
 WARMUP_STEPS = 1
 
-# every reset of the peak statistic by any wrapper, so that a reading spanning one is dropped
-_resets = [0]
+# per device, every reset of the peak statistic by any wrapper: a reading spanning one is dropped
+_resets: dict = {}
+
+
+def _device_key(device: torch.device) -> tuple:
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return device.type, index
 
 
 def reset_peak(device: torch.device) -> None:
     """Start a step's peak reading (every wrapper's forward, managed or not)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _resets[0] += 1
+    key = _device_key(device)
+    _resets[key] = _resets.get(key, 0) + 1
 
 
 def peak_allocated_bytes(device: torch.device) -> int | None:
-    """The allocator's peak since the last reset; None off CUDA or without its statistics."""
+    """The allocator's peak since the last reset; None off CUDA or without its statistics
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1 reads zero)."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats_as_nested_dict(device)
-    return stats["allocated_bytes"]["all"]["peak"] if "allocated_bytes" in stats else None
+    peak = stats["allocated_bytes"]["all"]["peak"] if "allocated_bytes" in stats else 0
+    return peak or None
 
 
 class UntouchedWatch:
@@ -57,6 +71,7 @@ class UntouchedWatch:
         self.warmups: dict = {}      # key -> managed steps run while liveness fit (Rule 1)
         self.excess: dict = {}       # key -> the latest reading (may be below zero)
         self._pending: list = []     # hook handles of the step being watched
+        self._forgotten = 0          # forget() calls: a reading queued before one is dropped
 
     def warm(self, key) -> bool:
         """Rule 1: whether ``key``'s warm-up is done."""
@@ -79,14 +94,14 @@ class UntouchedWatch:
         A hook on each output that has a backward only sees the first gradient pass and
         queues the reading for the backward's end."""
         self.cancel()                  # an earlier step never backpropagated: not read
-        resets = _resets[0]
+        began = (_resets.get(_device_key(device)), self._forgotten)
         queued = []
 
         def on_gradient(grad):
             if not queued:
                 queued.append(True)
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._ended(key, device, predicted, resets))
+                    lambda: self._ended(key, device, predicted, began))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 self._pending.append(tensor.register_hook(on_gradient))
@@ -99,11 +114,16 @@ class UntouchedWatch:
         self._pending.clear()
 
     def forget(self, key) -> None:
+        """``key``'s plan was dropped: a step of it in flight is not read either."""
+        self.cancel()
+        self._forgotten += 1
         self.warmups.pop(key, None)
         self.excess.pop(key, None)
 
-    def _ended(self, key, device: torch.device, predicted: int, resets: int) -> None:
+    def _ended(self, key, device: torch.device, predicted: int, began: tuple) -> None:
         self.cancel()
+        if began != (_resets.get(_device_key(device)), self._forgotten):    # Rule 3
+            return
         peak = peak_allocated_bytes(device)
-        if peak is not None and resets == _resets[0]:                        # Rule 3
+        if peak is not None:
             self.excess[key] = peak - predicted
