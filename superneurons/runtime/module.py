@@ -7,14 +7,15 @@ Rule 1: the plan is made at the first forward for each input structure, tensor s
         MAX_PLANS used last (Rule 5). Other Python state the forward reads is fixed at capture:
         replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
-        no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA the
-        decision counts the device memory the model does not own (optimizer state), which
-        grows after the first step (momentum, Adam's moments), and a margin for what plain
-        PyTorch uses between layers, from the call's own steps once read (untouched.py):
-        every later step reads both again, once (untouched_holds), and where the step would
-        not fit, that call runs a managed plan of the same graph within what is left, kept
-        beside the untouched one: the next step that fits runs untouched again (the same
-        holds for "auto" choosing liveness).
+        no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA a
+        call's first step runs managed, fitting cuDNN's engines to the budget (untouched.py
+        Rule 1), and the decision counts the device memory the model does not own (optimizer
+        state), which grows after the first step (momentum, Adam's moments), and a margin for
+        what plain PyTorch uses between layers, from the call's own steps once read: every
+        later step reads both again, once (untouched_holds), and where the step would not
+        fit, that call runs a managed plan of the same graph within what is left, kept beside
+        the untouched one: the next step that fits runs untouched again (the same holds for
+        "auto" choosing liveness).
 Rule 3: a budget too small for the policy is a ValueError before the step runs, naming the
         smallest budget that would work. On CUDA the budget also holds what the model does not
         own, read before every step: where that grew past what a managed plan leaves (the
