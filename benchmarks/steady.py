@@ -131,6 +131,10 @@ def measure(args, network: str, batch: int, path: str) -> None:
                     stats.offloaded_bytes, stats.prefetched_bytes, stats.recomputed_layers,
                     stats.predicted_peak_bytes, stats.policy)):
                 steps[field].append(value)
+            if step == 1:         # issue 16 item 4: where the first step's time went
+                record["first_step_split_seconds"] = {
+                    name: value for name, value in stats.as_dict().items()
+                    if name.endswith("_seconds")}
             if step == 1 or step % 50 == 0:
                 print(progress(network, batch, step, steps), flush=True)
             if time.perf_counter() - saved > SAVE_EVERY_S:

@@ -77,5 +77,6 @@ def test_a_tiny_run_on_the_cpu_writes_its_record(tmp_path):
     assert set(record["steps"]) == set(FIELDS)
     assert all(len(values) == 3 for values in record["steps"].values())
     assert record["steps"]["rss_bytes"][0] > 0
+    assert record["first_step_split_seconds"]["capture_seconds"] > 0     # the plan was made
     assert record["summary"]["steps_run"] == 3 and record["summary"]["out_of_memory"] is None
     assert "resnet50:2" in done.stdout and "net:batch" in done.stdout   # the table
