@@ -148,19 +148,18 @@ class WorkspaceFit:
         """Limit the allocator for one convolution; returns the fraction to give back.
 
         With R reserved and A allocated now, results O and room W = budget - slack - A - O,
-        the limit is R + max(W - (R - A), what O's requests reserve at most): what the results
-        need is always left (where O counts them all), and a workspace gets at most W, the
-        blocks cached free (R - A) included, or where the results need new segments, at most
-        their rounding past W (under 20 MiB, within the slack of any budget above 1 GiB).
-        Where more than W is cached free, the cache is emptied first (only its wholly free
-        segments go back)."""
+        the limit is the larger of A + W (the budget less the slack and the results: a
+        workspace gets at most W, blocks cached free included) and R + what O's requests
+        reserve at most (the results always fit, where O counts them all; a workspace then
+        gets at most their rounding past W, under 20 MiB a result, within the slack of any
+        budget above 1 GiB). Where more than W is cached free, the cache is emptied first (only
+        its wholly free segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved = _stats(self.index)
         room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(output_bytes))
         if reserved - allocated > room:
             torch.cuda.empty_cache()
             allocated, reserved = _stats(self.index)
-        limit = reserved + max(room - (reserved - allocated),
-                               sum(segment_bytes(n) for n in output_bytes))
+        limit = max(allocated + room, reserved + sum(segment_bytes(n) for n in output_bytes))
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         return caller
