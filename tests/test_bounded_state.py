@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import superneurons as sn
 from superneurons import models
-from superneurons.runtime import host, module, untouched
+from superneurons.runtime import host, module, room, untouched
 from superneurons.runtime.executor import Executor
 
 
@@ -206,9 +206,9 @@ def test_a_closed_host_store_gives_back_chunks_once_their_regions_return(monkeyp
 # -- Rule 2: the untouched decision holds at every step -----------------------------------------
 def test_untouched_holds_with_fake_byte_counts():
     gib = 1 << 30
-    assert module.untouched_holds(plan_peak_bytes=8 * gib, budget_bytes=12 * gib, foreign=0)
-    assert module.untouched_holds(8 * gib, 12 * gib, 4 * gib)               # exactly full
-    assert not module.untouched_holds(8 * gib, 12 * gib, 4 * gib + 1)       # Adam's moments
+    assert room.untouched_holds(plan_peak_bytes=8 * gib, budget_bytes=12 * gib, foreign=0)
+    assert room.untouched_holds(8 * gib, 12 * gib, 4 * gib)               # exactly full
+    assert not room.untouched_holds(8 * gib, 12 * gib, 4 * gib + 1)       # Adam's moments
 
 
 class FakeDevice:

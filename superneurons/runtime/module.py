@@ -12,7 +12,7 @@ Rule 2: when the budget holds the whole step with liveness alone, the model runs
         Rule 1), and the decision counts the device memory the model does not own (optimizer
         state), which grows after the first step (momentum, Adam's moments), and a margin for
         what plain PyTorch uses between layers, from the call's own steps once read: every
-        later step reads both again, once (untouched_holds), and where the step would not
+        later step reads both again, once (UntouchedWatch.holds), and where the step would not
         fit, that call runs a managed plan of the same graph within what is left, kept beside
         the untouched one: the next step that fits runs untouched again (the same holds for
         "auto" choosing liveness).
@@ -69,7 +69,7 @@ from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, agreed, check_group
 from .executor import Executor
-from .room import budget_left, foreign_bytes, reads_device_memory, untouched_holds
+from .room import budget_left, foreign_bytes, reads_device_memory
 from .calls import call_key, compute_device, moved_to, on_meta
 from .checkpoint_keys import own_keys, wrapper_keys
 from .allocator_cap import AllocatorCap, available as cap_available
@@ -214,9 +214,8 @@ class SuperNeuronsModule(nn.Module):
                                     state_on_device=self.state == "device")
         plans = self._executors
         if executor is None:                                                     # Rule 2
-            margin = self._untouched.margin(key, plan.peak_bytes, self.budget_bytes)
             if self._untouched.warm(key) and \
-                    untouched_holds(plan.peak_bytes + margin, self.budget_bytes, foreign):
+                    self._untouched.holds(key, plan.peak_bytes, self.budget_bytes, foreign):
                 return key, planned, foreign
             # kept beside the untouched plan: memory others hold may be passing (a previous
             # micro-batch's activations, another model's step)
@@ -372,8 +371,8 @@ class SuperNeuronsModule(nn.Module):
         host = self.state == "host"
 
         def untouched_fits(plan) -> bool:         # Rule 2: with a margin where CUDA is read
-            return untouched and (foreign is None or plan.peak_bytes + self._untouched.margin(
-                key, plan.peak_bytes, self.budget_bytes) <= budget)
+            return untouched and (foreign is None or self._untouched.holds(
+                key, plan.peak_bytes, self.budget_bytes, foreign))
         if budget is not None and self.policy in _MANAGED:
             try:
                 liveness = plan_graph(graph, Policy.LIVENESS, budget, self.strategy, self.state,

@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .calibration import SLACK_SHARE
+from .room import untouched_holds
 
 # twice the largest share measured (GPT-2 small fp32, 5.7%), rounded up to a power of two
 UNTOUCHED_MARGIN = 1 / 8
@@ -81,19 +82,20 @@ class UntouchedWatch:
         """A managed step of ``key`` is about to run."""
         self.warmups[key] = self.warmups.get(key, 0) + 1
 
-    def margin(self, key, plan_peak_bytes: int, budget_bytes: int) -> int:
-        """Rule 2: what an untouched step of ``key`` needs beside its plan."""
+    def holds(self, key, plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bool:
+        """Rule 2: whether an untouched step of ``key`` fits the budget with its margin beside
+        ``foreign`` bytes the model does not own."""
         excess = self.excess.get(key)
-        if excess is None:
-            return int(UNTOUCHED_MARGIN * plan_peak_bytes)
-        return max(0, excess) + int(SLACK_SHARE * budget_bytes)
+        margin = int(UNTOUCHED_MARGIN * plan_peak_bytes) if excess is None else \
+            max(0, excess) + int(SLACK_SHARE * budget_bytes)
+        return untouched_holds(plan_peak_bytes + margin, budget_bytes, foreign)
 
     def watch(self, key, out, device: torch.device, predicted: int) -> None:
         """After an untouched forward that returned ``out``: read the step's peak against
         ``predicted`` (its plan and the bytes the model did not own) once its backward ends.
         A hook on each output that has a backward only sees the first gradient pass and
-        queues the reading for the backward's end."""
-        self.cancel()                  # an earlier step never backpropagated: not read
+        queues the reading for the backward's end. The wrapper's forward has cancelled the
+        watch of any earlier step (one never backpropagated is not read)."""
         began = (_resets.get(_device_key(device)), self._forgotten)
         queued = []
 
