@@ -7,15 +7,20 @@ torchvision's lraspp_mobilenet_v3_large segmenter (a dict output, a per-pixel lo
 3 AdamW steps from the same start and seed; losses and every parameter and buffer compared bit
 for bit. Policies: offload, recompute, superneurons at its floor and at a budget halfway to
 liveness (where the pool starts copies ahead of need, executor Rule 8). Also torchvision
-mnasnet0_5 (depthwise convolutions, dropout) and timm regnetx_002 (grouped convolutions).
+mnasnet0_5 (depthwise convolutions, dropout), timm regnetx_002 (grouped convolutions) and
+torchvision squeezenet1_1 (fire modules' concatenations, in-place ReLUs, dropout).
 
 With --fit, every executor step runs as a calibrating CUDA step would, fitting each
 convolution's workspace (executor Rule 9: the limits, their lifting while saved tensors come
 back, the backward hooks) against a fake allocator: the CPU runs that path, and the record
 counts the limits set and whether the caller's fraction came back.
 
-    python benchmarks/newcomers_exact.py OUT_DIR [--fit]
-        (CPU; writes newcomers_exact.json, or newcomers_fit.json)
+With --untouched, the device's memory is read as CUDA's would be (nothing the model does not
+own), and superneurons runs at a budget its liveness plan fits with the untouched margin: the
+first step managed, the later ones untouched (runtime/untouched.py); the record says which.
+
+    python benchmarks/newcomers_exact.py OUT_DIR [--fit | --untouched]
+        (CPU; writes newcomers_exact.json, newcomers_fit.json or newcomers_untouched.json)
 """
 
 import copy
@@ -92,6 +97,11 @@ def mnasnet():
     return _classifier(lambda: torchvision.models.mnasnet0_5(num_classes=10))
 
 
+def squeezenet():
+    import torchvision
+    return _classifier(lambda: torchvision.models.squeezenet1_1(num_classes=10))
+
+
 def regnetx():
     import timm
     return _classifier(lambda: timm.create_model("regnetx_002", pretrained=False,
@@ -101,7 +111,7 @@ def regnetx():
 MODELS = {"torchvision shufflenet_v2_x0_5": shufflenet, "HF RobertaForMaskedLM": roberta,
           "timm mobilevit_xxs": mobilevit, "HF DistilBertForSequenceClassification": distilbert,
           "torchvision lraspp_mobilenet_v3_large": lraspp, "torchvision mnasnet0_5": mnasnet,
-          "timm regnetx_002": regnetx}
+          "timm regnetx_002": regnetx, "torchvision squeezenet1_1": squeezenet}
 
 
 class FakeFit:
@@ -134,7 +144,15 @@ class FakeFit:
         self.limits += fraction < 1.0
 
 
-def train(model, run, args, kwargs, loss_of) -> list:
+def read_as_on_cuda():
+    """The wrapper reads device memory as on CUDA, finding nothing the model does not own."""
+    from superneurons.runtime import module
+    module.reads_device_memory = lambda device: True
+    module.foreign_bytes = lambda *args, **kwargs: 0
+
+
+def train(model, run, args, kwargs, loss_of, policies=None) -> list:
+    """STEPS AdamW steps; each step's policy appended to ``policies`` (a wrapper's)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     losses = []
@@ -144,11 +162,25 @@ def train(model, run, args, kwargs, loss_of) -> list:
         loss.backward()
         optimizer.step()
         losses.append(loss.detach())
+        if policies is not None:
+            policies.append(run.stats.policy)
     return losses
+
+
+def runs(floor: int, liveness: int, untouched: bool) -> tuple:
+    """(policy, budget) pairs to compare with plain PyTorch."""
+    if untouched:
+        from superneurons.runtime.untouched import UNTOUCHED_MARGIN
+        return (("superneurons", liveness + int(UNTOUCHED_MARGIN * liveness)),)
+    return (("offload", None), ("recompute", None), ("superneurons", None),
+            ("superneurons", (floor + liveness) // 2))
 
 
 def main():
     fit = FakeFit() if "--fit" in sys.argv else None
+    untouched = "--untouched" in sys.argv
+    if untouched:
+        read_as_on_cuda()
     rows = []
     for name, make in MODELS.items():
         base, args, kwargs, loss_of = make()
@@ -156,24 +188,27 @@ def main():
         liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
         plain = copy.deepcopy(base)
         expected = train(plain, plain, args, kwargs, loss_of)
-        for policy, budget in (("offload", None), ("recompute", None), ("superneurons", None),
-                               ("superneurons", (floor + liveness) // 2)):
+        for policy, budget in runs(floor, liveness, untouched):
             managed = copy.deepcopy(base)
             wrapped = sn.wrap(managed, policy=policy, budget=budget)
-            got = train(managed, wrapped, args, kwargs, loss_of)
+            policies = []
+            got = train(managed, wrapped, args, kwargs, loss_of, policies)
             same = torch.equal(torch.stack(expected), torch.stack(got)) and all(
                 torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                                   managed.state_dict().values()))
             stats = wrapped.stats
             rows.append({"model": name, "policy": policy, "budget_bytes": budget,
                          "bit_identical": same, "offloaded_bytes": stats.offloaded_bytes,
-                         "recomputed_layers": stats.recomputed_layers})
+                         "recomputed_layers": stats.recomputed_layers,
+                         "step_policies": policies})
             if fit is not None:
                 rows[-1].update(limits_set=fit.limits, callers_fraction_back=fit.fraction == 1.0)
                 fit.limits = 0
             print(rows[-1], flush=True)
-    write(os.path.join(sys.argv[1], "newcomers_fit.json" if fit else "newcomers_exact.json"),
-          {"steps": STEPS, "fit": fit is not None, "rows": rows})
+    name = "newcomers_fit.json" if fit else \
+        "newcomers_untouched.json" if untouched else "newcomers_exact.json"
+    write(os.path.join(sys.argv[1], name),
+          {"steps": STEPS, "fit": fit is not None, "untouched": untouched, "rows": rows})
 
 
 if __name__ == "__main__":
