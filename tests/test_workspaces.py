@@ -107,13 +107,38 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
         return tensor
     with saved_tensors_hooks(lambda tensor: tensor, unpack):
         out = conv(x)
-    gradients = grad_bytes([x, conv.weight, conv.bias]) + [out.numel() * out.element_size()]
+    gradients = grad_bytes([x, conv.weight, conv.bias])
     fit.through_backward(out, gradients)
-    out.sum().backward()
+    out.sum().backward()          # an expanded gradient reaches it: cuDNN copies it, counted
+    gradients += [out.numel() * out.element_size()]
     assert seen[:2] == [("unpacking", True, True), ("lifted", 1.0)]
     assert seen[-1] == ("limited again", pytest.approx(fake.reserved + max(
         2 * GiB - fake.allocated - sum(gradients), 4 * segment_bytes(1)), abs=1))
     assert fake.fraction == 1.0 and not fit.limiting
+
+
+@pytest.mark.parametrize("laid_out_as_the_output", [True, False])
+def test_the_copy_of_the_gradient_reaching_a_convolution_counts_only_where_it_is_made(
+        monkeypatch, laid_out_as_the_output):
+    """A gradient laid out as the convolution's output is read as it is; another (a sum's
+    expanded one, channels-last against a contiguous output) is copied in the output's layout
+    first. A copy counted where none is made would take the limit's room."""
+    FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    monkeypatch.setattr(workspaces, "_running", {})
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
+    begun = []
+    monkeypatch.setattr(fit, "_backward_begins", begun.append)
+    conv = nn.Conv2d(3, 4, 3)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    out = conv(x)
+    gradients = grad_bytes([x, conv.weight, conv.bias])
+    fit.through_backward(out, gradients)
+    grad = torch.ones_like(out)
+    if not laid_out_as_the_output:
+        grad = grad.contiguous(memory_format=torch.channels_last)
+    out.backward(grad)
+    copy = [] if laid_out_as_the_output else [out.numel() * out.element_size()]
+    assert begun == [gradients + copy]
 
 
 def test_only_a_convolutions_backward_is_limited(monkeypatch):
@@ -239,8 +264,8 @@ def _calibrating_executor(monkeypatch):
 
 
 def test_a_convolution_modules_backward_counts_its_parameters_gradients(monkeypatch):
-    """nn.Conv2d is called with its input alone: its weight's and bias's gradients, and a copy
-    of the gradient reaching it, are counted all the same."""
+    """nn.Conv2d is called with its input alone: its weight's and bias's gradients are counted
+    all the same."""
     model, wrapped, executor, fake, x = _calibrating_executor(monkeypatch)
     given = []
     through = WorkspaceFit.through_backward
@@ -252,10 +277,10 @@ def test_a_convolution_modules_backward_counts_its_parameters_gradients(monkeypa
     wrapped(x).sum().backward()
     convs = [m for m in model if isinstance(m, nn.Conv2d)]
     activation = 4 * 256 * 16 * 16 * 4                      # each convolution's output, fp32
-    expected = [[conv.weight.numel() * 4, conv.bias.numel() * 4, activation] for conv in convs]
+    expected = [[conv.weight.numel() * 4, conv.bias.numel() * 4] for conv in convs]
     for nbytes in expected[1:]:
         nbytes.insert(0, activation)            # the input's gradient, from the second on
-    assert given == expected
+    assert given == expected          # the copy of the gradient reaching it: at its backward
     assert fake.fraction == 1.0 and len(fake.limits) > 2 * len(convs)
 
 

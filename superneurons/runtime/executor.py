@@ -340,12 +340,11 @@ class Executor(RoomKeeping, SavedTensors):
         except torch.OutOfMemoryError as error:
             raise FitOutOfMemory(str(error)) from error
         if trains:
-            # its gradients (a module's own parameters are not among the arguments) and a copy
-            # of the gradient reaching it, which a sum's backward hands on strided
+            # its gradients (a module's own parameters are not among the arguments)
             tensors = pytree.tree_leaves((args, kwargs))
             if layer.module is not None:
                 tensors += list(layer.module.parameters())
-            self.workspaces.through_backward(out, grad_bytes(tensors) + output_bytes)
+            self.workspaces.through_backward(out, grad_bytes(tensors))
         return out
 
     def _run_layer(self, layer, args, kwargs, trains: bool):

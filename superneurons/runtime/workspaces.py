@@ -113,12 +113,23 @@ class WorkspaceFit:
 
     def through_backward(self, out, gradient_bytes: list) -> None:
         """Fit the workspaces of ``out``'s convolution backward too, whose results are
-        ``gradient_bytes``. Only PyTorch's own convolution node: another node's allocations
-        are not known here."""
+        ``gradient_bytes`` and, where the gradient reaching it is laid out otherwise than
+        ``out`` (a sum's backward hands on an expanded one), the copy cuDNN makes of it in
+        ``out``'s layout. That copy is counted only when it is made: counted otherwise, it
+        takes the limit's room, and a limit without room is what the allocator reserves, whose
+        blocks may hold a workspace past the budget. Only PyTorch's own convolution node:
+        another node's allocations are not known here."""
         node = getattr(out, "grad_fn", None)
         if node is None or type(node).__name__ != "ConvolutionBackward0":
             return
-        node.register_prehook(lambda grad_outputs: self._backward_begins(gradient_bytes))
+        # the layout and size, not ``out``: the node must not keep its own output alive
+        layout, copy_bytes = out.stride(), out.numel() * out.element_size()
+
+        def begins(grad_outputs):
+            grad = grad_outputs[0] if grad_outputs else None
+            copied = grad is not None and grad.stride() != layout
+            self._backward_begins(gradient_bytes + [copy_bytes] * copied)
+        node.register_prehook(begins)
         node.register_hook(lambda grad_inputs, grad_outputs: _end(self.index))
 
     @property
