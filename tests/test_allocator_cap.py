@@ -185,7 +185,10 @@ def _resnet(device):
 
 def _others(model: nn.Module, *tensors) -> int:
     """Device bytes neither ``model`` nor ``tensors`` hold: what the budget must leave beside
-    the plan (cuBLAS's workspaces, made by the first matrix product, are among them)."""
+    the plan (cuBLAS's workspaces, made by the first matrix product, are among them). Garbage
+    is collected first: models planned and dropped may still hold device memory in reference
+    cycles, which would count here and then leave during a step."""
+    gc.collect()
     own = sum(t.numel() * t.element_size()
               for t in (*model.parameters(), *model.buffers(), *tensors))
     return torch.cuda.memory_allocated() - own
@@ -225,7 +228,8 @@ def test_on_cuda_steps_run_under_the_budget_and_the_optimizer_under_the_callers_
         optimizer.step()
         assert torch.cuda.max_memory_allocated() <= budget
     assert seen == [pytest.approx(min(caller, budget / total))] * 3
-    assert untouched == [policy == "liveness"] * 3
+    # module Rule 2's warm-up: a call's first step runs managed though liveness fits
+    assert untouched == [False] + [policy == "liveness"] * 2
 
 
 @needs_cuda
