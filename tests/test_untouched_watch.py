@@ -3,6 +3,7 @@ beside the plan until the call's steps are read, then the latest reading. The CP
 CUDA's reading of device memory and of the step's peak."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -79,6 +80,7 @@ def test_off_cuda_neither_warm_up_nor_margin_applies():
     assert not wrapped._untouched.excess and not wrapped._untouched.warmups
 
 
+@pytest.mark.filterwarnings("ignore:superneurons. a training step peaked")    # Rule 4
 @pytest.mark.parametrize("excesses, ran_untouched", [
     ([0, 0, 0, 0], [False, True, True, True]),
     ([0, LIVENESS // 4, 0, 0], [False, True, False, False]),
@@ -96,6 +98,7 @@ def test_the_latest_reading_decides_the_next_step(monkeypatch, excesses, ran_unt
     assert _same_losses(steps, _train(_net(), excesses))
 
 
+@pytest.mark.filterwarnings("ignore:superneurons. a training step peaked")    # Rule 4
 def test_a_reading_across_another_wrappers_forward_is_dropped(monkeypatch):
     device = FakeDevice(monkeypatch)
     first, other = sn.wrap(_net(), budget=ROOMY), sn.wrap(_net(), budget=ROOMY)
@@ -151,3 +154,32 @@ def test_looking_at_the_plan_is_not_the_warm_up(monkeypatch):
     for _ in range(2):
         assert wrapped.plan_for(X)[1] is not None
     assert [u for _, u in _train(wrapped, [0, 0], device)] == [False, True]
+
+
+def test_a_step_past_the_budget_is_said_once_per_call(monkeypatch):
+    """Rule 4: a managed step (here within the margin of liveness) or an untouched one whose
+    peak passed the budget warns, once per call; within the budget nothing is said."""
+    device = FakeDevice(monkeypatch)
+    budget = LIVENESS + LIVENESS // 16
+    with pytest.warns(UserWarning, match="over the budget") as record:
+        steps = _train(sn.wrap(_net(), budget=budget), [LIVENESS // 8] * 3, device)
+    assert [u for _, u in steps] == [False] * 3
+    assert sum("over the budget" in str(w.message) for w in record) == 1
+    with pytest.warns(UserWarning, match="over the budget") as record:
+        steps = _train(sn.wrap(_net(), budget=ROOMY), [0, LIVENESS // 4, LIVENESS // 4], device)
+    assert [u for _, u in steps] == [False, True, False]     # the reading turned it managed
+    assert sum("over the budget" in str(w.message) for w in record) == 1
+    with pytest.warns(UserWarning, match="over the budget"):       # a policy that is not Rule 2's
+        _train(sn.wrap(_net(), policy="liveness", budget=ROOMY), [LIVENESS // 4] * 2, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(sn.wrap(_net(), budget=ROOMY), [0] * 3, device)
+        _train(sn.wrap(_net()), [LIVENESS] * 2, device)             # no budget to pass
+
+
+def test_under_strict_budget_nothing_is_said():
+    """Rule 4: the allocator refuses past the budget inside the step; what passes it is the
+    caller's (its loss)."""
+    cuda = torch.device("cuda")
+    assert sn.wrap(_net(), budget=ROOMY)._says_passed(cuda)
+    assert not sn.wrap(_net(), budget=ROOMY, strict_budget=True)._says_passed(cuda)

@@ -117,27 +117,30 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
     assert fake.fraction == 1.0 and not fit.limiting
 
 
-@pytest.mark.parametrize("laid_out_as_the_output", [True, False])
+@pytest.mark.parametrize("kernel, gradient, copied", [
+    (3, "as the output", False), (3, "contiguous", True), (3, "expanded", True),
+    (8, "flattened", False)])       # a 1x1 output: dense in both layouts, strides aside
 def test_the_copy_of_the_gradient_reaching_a_convolution_counts_only_where_it_is_made(
-        monkeypatch, laid_out_as_the_output):
-    """A gradient laid out as the convolution's output is read as it is; another (a sum's
-    expanded one, channels-last against a contiguous output) is copied in the output's layout
+        monkeypatch, kernel, gradient, copied):
+    """A gradient dense in the memory format of the convolution's output (channels-last here)
+    is read as it is; another (a sum's expanded one, a contiguous one) is copied in that format
     first. A copy counted where none is made would take the limit's room."""
     FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
     monkeypatch.setattr(workspaces, "_running", {})
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     begun = []
     monkeypatch.setattr(fit, "_backward_begins", begun.append)
-    conv = nn.Conv2d(3, 4, 3)
-    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    conv = nn.Conv2d(3, 4, kernel).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True).contiguous(memory_format=torch.channels_last)
     out = conv(x)
     gradients = grad_bytes([x, conv.weight, conv.bias])
     fit.through_backward(out, gradients)
-    grad = torch.ones_like(out)
-    if not laid_out_as_the_output:
-        grad = grad.contiguous(memory_format=torch.channels_last)
+    grad = {"as the output": lambda: torch.ones_like(out),
+            "contiguous": lambda: torch.ones(out.shape),
+            "expanded": lambda: torch.ones(()).expand(out.shape),
+            "flattened": lambda: torch.ones(2, 4).view(2, 4, 1, 1)}[gradient]()
     out.backward(grad)
-    copy = [] if laid_out_as_the_output else [out.numel() * out.element_size()]
+    copy = [out.numel() * out.element_size()] if copied else []
     assert begun == [gradients + copy]
 
 

@@ -425,8 +425,11 @@ class SuperNeuronsModule(nn.Module):
                     "between layers, and the allocator is limited to the budget. Raise the "
                     "budget, or leave strict_budget off (the step may then pass the budget "
                     "there)") from error
-            if foreign is not None and self.policy in _DECIDES_UNTOUCHED:      # Rule 2
-                self._untouched.watch(key, out, device, plan.peak_bytes + foreign)
+            decides = foreign is not None and self.policy in _DECIDES_UNTOUCHED   # Rule 2
+            if decides or self._says_passed(device):
+                self._untouched.watch(key, out, device,
+                                      plan.peak_bytes + foreign if decides else None,
+                                      self.budget_bytes if self._says_passed(device) else None)
             return out
         if self._fallbacks.get(key, (None, None))[1] is executor:               # Rule 2
             self._untouched.warming(key)       # a managed step runs, not plan_for's look
@@ -441,7 +444,7 @@ class SuperNeuronsModule(nn.Module):
             made["host_check_seconds"] = time.perf_counter() - began
             log.info("first step: running %d layers (%s)", executor.num_layers, plan.policy)
         try:
-            return self._capped(device, lambda: executor.run(flat, foreign))     # Rule 8
+            out = self._capped(device, lambda: executor.run(flat, foreign))      # Rule 8
         except torch.OutOfMemoryError as error:
             executor.release()
             raise RuntimeError(
@@ -453,6 +456,14 @@ class SuperNeuronsModule(nn.Module):
                  "budget, memory it holds free included)" if self.strict_budget else
                  "lower the budget or the batch, or set "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")) from error
+        if self._says_passed(device):                                # untouched.py Rule 4
+            self._untouched.watch(key, out, device, None, self.budget_bytes)
+        return out
+
+    def _says_passed(self, device: torch.device) -> bool:
+        """Whether a step past the budget is said (untouched.py Rule 4)."""
+        return self.budget_bytes is not None and not self.strict_budget and \
+            reads_device_memory(device)
 
     def _capped(self, device: torch.device, forward):
         """``forward()`` and the backward of what it returns under the budget (Rule 8)."""

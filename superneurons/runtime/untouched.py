@@ -14,19 +14,28 @@ Rule 2: a call then runs untouched only where its plan, the memory the model doe
         is UNTOUCHED_MARGIN of the plan; then it is the latest reading plus the executor's
         slack: the latest, not the largest, and nothing here raises (a call the margin does
         not fit runs its managed plan, whose executor calibrates its own excess). Managed steps
-        are not read, so such a call runs untouched again only where what the model does not
-        own shrinks, and one whose plan was managed from the start (liveness fit, the margin
-        did not) stays managed.
+        are not read for the margin (only for Rule 4), so such a call runs untouched again only
+        where what the model does not own shrinks, and one whose plan was managed from the
+        start (liveness fit, the margin did not) stays managed.
 Rule 3: a reading is the device's peak from the step's forward (every wrapper resets the
         statistic there) to the end of its backward, less the plan and what the model did
         not own at the forward. It is dropped where any wrapper reset the statistic meanwhile
         (another model's step on the device, a second micro-batch), or where the call's plan
         was dropped meanwhile.
+Rule 4: every step with a budget on CUDA is read, managed or untouched, whatever the policy,
+        to say so once per call key where one passed the budget: at its floor a plan can make
+        no more room, and what it does not count (kernels' temporaries, allocator rounding, a
+        loss computed outside the model) may take the device past the budget. The step runs
+        on. Under strict_budget nothing is said: the allocator refuses past the budget inside
+        the wrapped step, and what passes it is outside (the caller's loss).
 """
+
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..units import format_bytes
 from .calibration import SLACK_SHARE
 from .room import untouched_holds
 
@@ -65,14 +74,15 @@ def peak_allocated_bytes(device: torch.device) -> int | None:
 
 
 class UntouchedWatch:
-    """Per call key, its managed warm-up and what its untouched steps really used beyond the
-    plan (Rules 1-3)."""
+    """Per call key, its managed warm-up, what its untouched steps really used beyond the
+    plan, and whether a step passed the budget (Rules 1-4)."""
 
     def __init__(self):
         self.warmups: dict = {}      # key -> managed steps run while liveness fit (Rule 1)
         self.excess: dict = {}       # key -> the latest reading (may be below zero)
         self._pending: list = []     # hook handles of the step being watched
         self._forgotten = 0          # forget() calls: a reading queued before one is dropped
+        self.passed: set = set()     # keys whose step passed the budget and was said (Rule 4)
 
     def warm(self, key) -> bool:
         """Rule 1: whether ``key``'s warm-up is done."""
@@ -90,9 +100,12 @@ class UntouchedWatch:
             max(0, excess) + int(SLACK_SHARE * budget_bytes)
         return untouched_holds(plan_peak_bytes + margin, budget_bytes, foreign)
 
-    def watch(self, key, out, device: torch.device, predicted: int) -> None:
-        """After an untouched forward that returned ``out``: read the step's peak against
-        ``predicted`` (its plan and the bytes the model did not own) once its backward ends.
+    def watch(self, key, out, device: torch.device, predicted: int | None,
+              budget_bytes: int | None) -> None:
+        """After a forward that returned ``out``: read the step's peak once its backward ends,
+        against ``budget_bytes`` (Rule 4; None: not) and, for an untouched step whose policy
+        decides it, against ``predicted`` (its plan and the bytes the model did not own; None:
+        not).
         A hook on each output that has a backward only sees the first gradient pass and
         queues the reading for the backward's end. The wrapper's forward has cancelled the
         watch of any earlier step (one never backpropagated is not read)."""
@@ -103,7 +116,7 @@ class UntouchedWatch:
             if not queued:
                 queued.append(True)
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._ended(key, device, predicted, began))
+                    lambda: self._ended(key, device, predicted, budget_bytes, began))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 self._pending.append(tensor.register_hook(on_gradient))
@@ -121,11 +134,26 @@ class UntouchedWatch:
         self._forgotten += 1
         self.warmups.pop(key, None)
         self.excess.pop(key, None)
+        self.passed.discard(key)
 
-    def _ended(self, key, device: torch.device, predicted: int, began: tuple) -> None:
+    def _ended(self, key, device: torch.device, predicted: int | None, budget_bytes: int,
+               began: tuple) -> None:
         self.cancel()
         if began != (_resets.get(_device_key(device)), self._forgotten):    # Rule 3
             return
         peak = peak_allocated_bytes(device)
-        if peak is not None:
+        if peak is None:
+            return
+        if predicted is not None:
             self.excess[key] = peak - predicted
+        if budget_bytes is not None and peak > budget_bytes and \
+                key not in self.passed:                                        # Rule 4
+            self.passed.add(key)
+            warnings.warn(
+                f"superneurons: a training step peaked at {format_bytes(peak)} on {device}, "
+                f"{format_bytes(peak - budget_bytes)} over the budget of "
+                f"{format_bytes(budget_bytes)}: memory its plan does not count (kernels' "
+                "temporaries, cuDNN's workspaces, allocator rounding, a loss computed outside "
+                "the model). The step ran; to stay "
+                "within the budget lower the batch, or pass strict_budget=True (the allocator "
+                "then refuses past the budget)", stacklevel=1)

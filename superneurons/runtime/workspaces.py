@@ -61,6 +61,27 @@ def _stats(index: int) -> tuple:
     return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
 
 
+_DENSE_LAYOUTS = ((torch.contiguous_format, None), (torch.channels_last, 4),
+                  (torch.channels_last_3d, 5))         # (memory format, its dimensions)
+
+
+def _layout(tensor: torch.Tensor):
+    """The memory format ``tensor`` is dense in (cuDNN copies a gradient reaching a
+    convolution into its output's), else its strides."""
+    for layout, dims in _DENSE_LAYOUTS:
+        if dims in (None, tensor.dim()) and tensor.is_contiguous(memory_format=layout):
+            return layout
+    return tensor.stride()
+
+
+def _laid_out(tensor: torch.Tensor, layout) -> bool:
+    """Whether ``tensor`` is laid out as ``_layout`` said (a size-1 dimension's stride is
+    free in a memory format)."""
+    if isinstance(layout, tuple):
+        return tensor.stride() == layout
+    return tensor.is_contiguous(memory_format=layout)
+
+
 class FitOutOfMemory(torch.OutOfMemoryError):
     """A convolution ran out of device memory under its workspace limit (executor Rule 9)."""
 
@@ -123,11 +144,11 @@ class WorkspaceFit:
         if node is None or type(node).__name__ != "ConvolutionBackward0":
             return
         # the layout and size, not ``out``: the node must not keep its own output alive
-        layout, copy_bytes = out.stride(), out.numel() * out.element_size()
+        layout, copy_bytes = _layout(out), out.numel() * out.element_size()
 
         def begins(grad_outputs):
             grad = grad_outputs[0] if grad_outputs else None
-            copied = grad is not None and grad.stride() != layout
+            copied = grad is not None and not _laid_out(grad, layout)
             self._backward_begins(gradient_bytes + [copy_bytes] * copied)
         node.register_prehook(begins)
         node.register_hook(lambda grad_inputs, grad_outputs: _end(self.index))
