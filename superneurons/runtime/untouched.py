@@ -136,8 +136,8 @@ class UntouchedWatch:
         self.excess.pop(key, None)
         self.passed.discard(key)
 
-    def _ended(self, key, device: torch.device, predicted: int | None, budget_bytes: int,
-               began: tuple) -> None:
+    def _ended(self, key, device: torch.device, predicted: int | None,
+               budget_bytes: int | None, began: tuple) -> None:
         self.cancel()
         if began != (_resets.get(_device_key(device)), self._forgotten):    # Rule 3
             return
@@ -154,6 +154,6 @@ class UntouchedWatch:
                 f"{format_bytes(peak - budget_bytes)} over the budget of "
                 f"{format_bytes(budget_bytes)}: memory its plan does not count (kernels' "
                 "temporaries, cuDNN's workspaces, allocator rounding, a loss computed outside "
-                "the model). The step ran; to stay "
-                "within the budget lower the batch, or pass strict_budget=True (the allocator "
-                "then refuses past the budget)", stacklevel=1)
+                "the model). The step ran; to stay within the budget lower the batch, or pass "
+                "strict_budget=True (the allocator then refuses past the budget)",
+                stacklevel=1)

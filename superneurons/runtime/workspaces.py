@@ -134,12 +134,12 @@ class WorkspaceFit:
 
     def through_backward(self, out, gradient_bytes: list) -> None:
         """Fit the workspaces of ``out``'s convolution backward too, whose results are
-        ``gradient_bytes`` and, where the gradient reaching it is laid out otherwise than
-        ``out`` (a sum's backward hands on an expanded one), the copy cuDNN makes of it in
-        ``out``'s layout. That copy is counted only when it is made: counted otherwise, it
-        takes the limit's room, and a limit without room is what the allocator reserves, whose
-        blocks may hold a workspace past the budget. Only PyTorch's own convolution node:
-        another node's allocations are not known here."""
+        ``gradient_bytes`` and, where the gradient reaching it is not dense in ``out``'s
+        memory format (a sum's backward hands on an expanded one), the copy cuDNN makes of it
+        in that format. That copy is counted only where it is made: counted otherwise, it
+        takes the limit's room, and a limit without room is what the allocator reserves plus
+        the results' segments, which a workspace may take past the budget. Only PyTorch's own
+        convolution node: another node's allocations are not known here."""
         node = getattr(out, "grad_fn", None)
         if node is None or type(node).__name__ != "ConvolutionBackward0":
             return
