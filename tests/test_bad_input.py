@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from superneurons import models
 from superneurons.cli import plan_cmd
@@ -78,3 +79,32 @@ def test_cli_train_refuses_steps_that_are_not_a_positive_count(steps, monkeypatc
         main(["train", "resnet50", "--batch", "8", "--steps", steps])
     assert stopped.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+class _CumulativeNorm(torch.nn.Module):
+    """Not a Sequential: captured by torch.export rather than torch.fx."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.norm = torch.nn.BatchNorm2d(4, momentum=None)
+
+    def forward(self, x):
+        return self.norm(self.conv(x)).mean((2, 3))
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_batch_norm_with_a_cumulative_average_is_refused_naming_its_momentum(tracer):
+    """BatchNorm with momentum=None reads its step counter as a Python number, which planning
+    on the meta device cannot: refused before a step, saying so (plain PyTorch trains it, so
+    the message must not send the user to check their inputs)."""
+    import superneurons as sn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)) \
+        if tracer == "fx" else _CumulativeNorm()
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()                                 # plain PyTorch trains it
+    with pytest.raises(ValueError, match="momentum") as error:
+        sn.wrap(model, policy="recompute")(x)
+    assert "fails the same way" not in str(error.value)

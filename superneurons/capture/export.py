@@ -111,8 +111,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         if "data-dependent" in str(error) or "data dependent" in str(error):
             raise ValueError(
                 f"superneurons could not capture {type(model).__name__}: {message}. Code that "
-                "branches on tensor values (not sizes) cannot be captured; move it out of the "
-                "forward, or wrap the part of the model that does not branch.") from error
+                "reads tensor values (not sizes) as Python numbers or branches on them cannot "
+                "be captured (BatchNorm with momentum=None reads its step counter so: give it a "
+                "momentum); move it out of the forward, or wrap the part of the model that does "
+                "not read them.") from error
         if "Cache" in str(error) and "in output" in str(error):
             # transformers returns its key-value cache from a training call when the config
             # asks for one; with dropout, use_cache=False draws other masks than True does,
@@ -121,8 +123,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 f"{type(model).__name__} returns a key-value cache from this call ({message}), "
                 "which superneurons cannot capture. A training step does not need it: call the "
                 "model with use_cache=False, or set model.config.use_cache = False before "
-                "training (plain PyTorch's gradients then are the ones superneurons "
-                "reproduces).") from error
+                "training (an encoder-decoder such as T5 keeps copies of its config in its "
+                "parts: pass use_cache=False in the call there). Plain PyTorch's gradients "
+                "then are the ones superneurons reproduces.") from error
         raise ValueError(
             f"calling {type(model).__name__} with these arguments fails: {message}. Check "
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "

@@ -348,6 +348,13 @@ class Analyzer:
                              f"plans without allocating: {error}. Make it a module without "
                              "children, or file an issue with the model.") from error
         except Exception as error:  # the model's own error on these inputs
+            if "meta tensor" in str(error):       # a value read, not the model's own error
+                raise ValueError(
+                    f"layer {name!r} reads a tensor's values ({str(error).rstrip('.')}), which "
+                    "superneurons cannot do while it plans on the meta device, without "
+                    "allocating: .item(), int(), a branch on a value, or BatchNorm with "
+                    "momentum=None (its step counter). Give BatchNorm a momentum, or move the "
+                    "value-reading out of the forward.") from error
             shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
             raise ValueError(f"layer {name!r} fails on its inputs ({shapes}): "
                              f"{str(error).rstrip('.')}. Plain "
