@@ -181,14 +181,30 @@ def main():
     untouched = "--untouched" in sys.argv
     if untouched:
         read_as_on_cuda()
+    rows = compare(MODELS, untouched, fit)
+    name = "newcomers_fit.json" if fit else \
+        "newcomers_untouched.json" if untouched else "newcomers_exact.json"
+    write(os.path.join(sys.argv[1], name),
+          {"steps": STEPS, "fit": fit is not None, "untouched": untouched, "rows": rows})
+
+
+def compare(models: dict, untouched: bool = False, fit=None, offload_moving: bool = False
+            ) -> list:
+    """Per model of ``models`` (name -> make()) and policy, whether training under the wrapper
+    is bit for bit plain PyTorch's. ``offload_moving``: offload at its own plan's peak, where it
+    moves data (without a budget it moves none), instead of without a budget."""
     rows = []
-    for name, make in MODELS.items():
+    for name, make in models.items():
         base, args, kwargs, loss_of = make()
         floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
         liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
         plain = copy.deepcopy(base)
         expected = train(plain, plain, args, kwargs, loss_of)
-        for policy, budget in runs(floor, liveness, untouched):
+        pairs = runs(floor, liveness, untouched)
+        if offload_moving:
+            offload = sn.plan(copy.deepcopy(base), args, "offload", kwargs=kwargs).peak_bytes
+            pairs = (("offload", offload),) + pairs[1:]
+        for policy, budget in pairs:
             managed = copy.deepcopy(base)
             wrapped = sn.wrap(managed, policy=policy, budget=budget)
             policies = []
@@ -205,10 +221,7 @@ def main():
                 rows[-1].update(limits_set=fit.limits, callers_fraction_back=fit.fraction == 1.0)
                 fit.limits = 0
             print(rows[-1], flush=True)
-    name = "newcomers_fit.json" if fit else \
-        "newcomers_untouched.json" if untouched else "newcomers_exact.json"
-    write(os.path.join(sys.argv[1], name),
-          {"steps": STEPS, "fit": fit is not None, "untouched": untouched, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":
