@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 # (name, network, batch, resnet stage-3 blocks or None): the README's largest batches. VGG16,
@@ -46,36 +47,39 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
     optimizer = sgd(model)
     row["steps"] = []
-    try:
-        began = time.perf_counter()
-        plan, _ = wrapped.plan_for(x)          # capture and planning, split from the first step
-        row["plan_s"] = time.perf_counter() - began
-        row["predicted_peak_bytes"] = plan.peak_bytes
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+    with warnings.catch_warnings(record=True) as said:   # a step past the budget says so
+        warnings.simplefilter("always")                  # (untouched.py Rule 4)
+        try:
             began = time.perf_counter()
-            sgd_step(wrapped, optimizer, x, y)
-            torch.cuda.synchronize()
-            stats = wrapped.stats
-            peak = torch.cuda.max_memory_allocated()
-            row["steps"].append({
-                "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
-                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-                "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
-                # the first step's parts: host memory taken (pinned), allocator readings
-                "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
-                "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
-                # a plan made again beside the optimizer's state shows as planning time and
-                # another predicted peak (module Rule 3)
-                "planning_seconds": getattr(stats, "planning_seconds", 0.0),
-                "predicted_peak_bytes": getattr(stats, "predicted_peak_bytes", None),
-                "budget_held": peak <= BUDGET_GIB * 2**30, **calibration_of(wrapped)})
-    except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
-        import traceback
-        row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
-        row["trace"] = traceback.format_exc().splitlines()[-16:]
-        row["calibration_at_failure"] = calibration_of(wrapped)   # the last plan run
+            plan, _ = wrapped.plan_for(x)          # capture and planning, split from the first step
+            row["plan_s"] = time.perf_counter() - began
+            row["predicted_peak_bytes"] = plan.peak_bytes
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                began = time.perf_counter()
+                sgd_step(wrapped, optimizer, x, y)
+                torch.cuda.synchronize()
+                stats = wrapped.stats
+                peak = torch.cuda.max_memory_allocated()
+                row["steps"].append({
+                    "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
+                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                    "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
+                    # the first step's parts: host memory taken (pinned), allocator readings
+                    "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
+                    "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
+                    # a plan made again beside the optimizer's state shows as planning time and
+                    # another predicted peak (module Rule 3)
+                    "planning_seconds": getattr(stats, "planning_seconds", 0.0),
+                    "predicted_peak_bytes": getattr(stats, "predicted_peak_bytes", None),
+                    "budget_held": peak <= BUDGET_GIB * 2**30, **calibration_of(wrapped)})
+        except (torch.OutOfMemoryError, RuntimeError, ValueError) as error:
+            import traceback
+            row["error"] = f"step {len(row['steps']) + 1}: {str(error).splitlines()[0][:300]}"
+            row["trace"] = traceback.format_exc().splitlines()[-16:]
+            row["calibration_at_failure"] = calibration_of(wrapped)   # the last plan run
+    row["warnings"] = [str(w.message) for w in said]
     import resource                        # pinned host memory counts in the process's RSS
     row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # trains: every step ran within the cap; budget_held: and every peak within the budget
