@@ -17,6 +17,7 @@ Rule 2: what export cannot represent exactly is refused before a step runs: modu
 """
 
 import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from .hf import exported_as_called
+from .refused import reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported
 
 __all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
 
@@ -88,6 +90,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     ``device``: where the step runs when the model's state lives elsewhere (state="host"): the
     model is exported as if its state were there (Rule 3). ``packed_positions``: an HF call's
     position_ids pack sequences (hf.py Rule 1)."""
+    refuse_unsupported(model)             # before the hooks: HF's checkpointing adds one
     hooks = hooks_of(model)
     if hooks:
         raise ValueError(
@@ -103,18 +106,32 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
+    reentrant = []
     try:
-        with _state_on(model, device, mode), exported_as_called(model, args, kwargs, packed_positions):
+        with _state_on(model, device, mode), reentrant_checkpoints_refused(reentrant), \
+                exported_as_called(model, args, kwargs, packed_positions):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
+        if reentrant:
+            raise reentrant_refusal(model) from error
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
         if "data-dependent" in str(error) or "data dependent" in str(error):
+            cumulative = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and
+                             m.momentum is None for m in model.modules())
             raise ValueError(
                 f"superneurons could not capture {type(model).__name__}: {message}. Code that "
                 "reads tensor values (not sizes) as Python numbers or branches on them cannot "
-                "be captured (BatchNorm with momentum=None reads its step counter so: give it a "
-                "momentum); move it out of the forward, or wrap the part of the model that does "
-                "not read them.") from error
+                "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
+                "so: give it a momentum)" if cumulative else "") + "; move it out of the "
+                "forward, or wrap the part of the model that does not read them.") from error
+        unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
+                            str(error))
+        if unknown and "Cache" not in unknown.group(1):
+            raise ValueError(
+                f"{type(model).__name__} returns a {unknown.group(1)}, which torch.export "
+                "cannot take apart into tensors. Return a tuple, dict or namedtuple, or "
+                "register the class before wrapping: torch.utils._pytree.register_dataclass("
+                f"{unknown.group(1).rsplit('.', 1)[-1]}) for a dataclass.") from error
         if "Cache" in str(error) and "in output" in str(error):
             # transformers returns its key-value cache from a training call when the config
             # asks for one; with dropout, use_cache=False draws other masks than True does,

@@ -1,0 +1,109 @@
+"""Ways of training that a captured graph cannot reproduce bit for bit are refused before the
+first step, saying what to change (capture/refused.py); the ways next to them still train bit
+for bit."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointFunction, checkpoint
+
+import superneurons as sn
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, self.a(x), use_reentrant=self.reentrant))
+
+
+X, Y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+
+def _steps(model, run) -> list:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(run(X), Y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_a_reentrant_checkpoint_in_the_forward_is_refused_and_the_patch_undone():
+    """Rule 2: its part would run under no_grad in the captured graph; before, the wrapped
+    step's output had no gradient and backward raised deep in autograd."""
+    apply = CheckpointFunction.apply
+    with pytest.raises(ValueError, match="use_reentrant=True"):
+        sn.wrap(Checkpointed(reentrant=True), policy="recompute")(X)
+    assert CheckpointFunction.apply == apply
+    torch.manual_seed(0)
+    plain = Checkpointed(reentrant=True)
+    _steps(plain, plain)                      # and plain PyTorch's reentrant checkpoint works
+
+
+@pytest.mark.parametrize("policy", ["recompute", "superneurons"])
+def test_a_non_reentrant_checkpoint_in_the_forward_trains_bit_for_bit(policy):
+    torch.manual_seed(0)
+    plain = Checkpointed(reentrant=False)
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=False)
+    expected = _steps(plain, plain)
+    got = _steps(model, sn.wrap(model, policy=policy))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                 model.state_dict().values()))
+
+
+def test_a_compiled_submodule_is_refused():
+    """Rule 1: inductor's kernels and random numbers are not the module's Python's (refused
+    before anything compiles: torch.compile is lazy)."""
+    model = Checkpointed(reentrant=False)
+    model.block = torch.compile(model.block)
+    with pytest.raises(ValueError, match="block of Checkpointed is compiled"):
+        sn.wrap(model, policy="recompute")(X)
+    with pytest.raises(ValueError, match="_orig_mod"):
+        sn.wrap(torch.compile(Checkpointed(reentrant=False)), policy="recompute")(X)
+
+
+def test_hf_gradient_checkpointing_is_refused_naming_how_to_turn_it_off():
+    """Rule 2, before HF's hook on the input embeddings would be named instead."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        sn.wrap(model, policy="recompute")(input_ids=ids, labels=ids)
+
+
+@dataclasses.dataclass
+class TwoHeads:
+    left: torch.Tensor
+    right: torch.Tensor
+
+
+class Forked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return TwoHeads(self.left(x), self.right(x))
+
+
+def test_an_unregistered_output_class_is_named_with_the_fix():
+    with pytest.raises(ValueError, match=r"register_dataclass\(TwoHeads\)") as error:
+        sn.wrap(Forked(), policy="recompute")(X)
+    assert "these arguments" not in str(error.value)      # the call was not the problem
