@@ -108,3 +108,22 @@ def test_a_batch_norm_with_a_cumulative_average_is_refused_naming_its_momentum(t
     with pytest.raises(ValueError, match="momentum") as error:
         sn.wrap(model, policy="recompute")(x)
     assert "fails the same way" not in str(error.value)
+
+
+class _Branching(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.sum() > 0:                       # a branch on a value: export cannot capture it
+            return h * 2
+        return h
+
+
+def test_a_value_read_in_the_forward_is_refused_naming_where_and_no_batch_norm():
+    import superneurons as sn
+    with pytest.raises(ValueError, match="test_bad_input.py") as error:
+        sn.wrap(_Branching(), policy="recompute")(torch.randn(2, 4))
+    assert "BatchNorm" not in str(error.value)           # it has none

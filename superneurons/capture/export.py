@@ -17,6 +17,7 @@ Rule 2: what export cannot represent exactly is refused before a step runs: modu
 """
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -118,8 +119,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         if "data-dependent" in str(error) or "data dependent" in str(error):
             cumulative = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and
                              m.momentum is None for m in model.modules())
+            where = _where_read(error)
             raise ValueError(
-                f"superneurons could not capture {type(model).__name__}: {message}. Code that "
+                f"superneurons could not capture {type(model).__name__}: {message}"
+                + (f" (read at {where})" if where else "") + ". Code that "
                 "reads tensor values (not sizes) as Python numbers or branches on them cannot "
                 "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
                 "so: give it a momentum)" if cumulative else "") + "; move it out of the "
@@ -148,6 +151,23 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
             "cannot capture it: file an issue with the model.") from error
     return _with_model_state(program, model)
+
+
+def _where_read(error: Exception) -> str | None:
+    """Where export's data-dependent error says the model read a value: the frame it names,
+    unless that is torch's own, else the innermost frame of the traceback outside torch and
+    superneurons (the model's own code)."""
+    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    caused = re.search(r"Caused by: \(([^)\n]+)\)", str(error))
+    if caused and not os.path.exists(os.path.join(ours[0], caused.group(1).split("/")[0])):
+        return caused.group(1)
+    where, frames = None, error.__traceback__
+    while frames is not None:
+        code = frames.tb_frame.f_code
+        if not code.co_filename.startswith(ours) and "/contextlib.py" not in code.co_filename:
+            where = f"{code.co_filename}:{frames.tb_lineno} in {code.co_name}"
+        frames = frames.tb_next
+    return where
 
 
 @contextlib.contextmanager
