@@ -11,9 +11,10 @@ with offload at its own plan's peak so that it moves data:
   per-pixel losses); a network with weight_norm and spectral_norm parametrizations (spectral
   norm's vectors are buffers written every forward);
 - HF transformers from small configs with dropout: Mistral (sliding window, left padding,
-  eager attention), Qwen2 (sliding window), Phi (partial rotary), Phi3, GPT-NeoX, Gemma, T5
-  and Bart (encoder-decoders, a padded mask), CLIP (two towers, its contrastive loss) and
-  BertForSequenceClassification; decoders with use_cache off, as training sets it (with it on
+  eager attention), Qwen2 (sliding window), Phi (partial rotary), Phi3, GPT-NeoX, Gemma,
+  Mixtral (experts routed by the tokens' values, its router loss), T5 and Bart
+  (encoder-decoders, a padded mask), Whisper (audio features), CLIP (two towers, its
+  contrastive loss) and BertForSequenceClassification; decoders with use_cache off, as training sets it (with it on
   superneurons refuses before the first step: the cache is not a training output).
 
     python benchmarks/newcomers_more.py OUT_DIR [--only NAME ...]
@@ -159,6 +160,22 @@ def clip():
                        "return_loss": True}, lambda out: out.loss
 
 
+def whisper():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, d_model=32, max_source_positions=32, max_target_positions=32,
+        dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1, use_cache=False)
+    model = transformers.WhisperForConditionalGeneration(config).train()
+    features = torch.randn(2, 16, 64)             # (batch, mel bins, 2 x source positions)
+    labels = torch.randint(3, VOCAB, (2, 10))
+    labels[1, -3:] = -100
+    return model, (), {"input_features": features, "labels": labels}, lambda out: out.loss
+
+
 def bert_classifier():
     import transformers
     torch.manual_seed(0)
@@ -207,9 +224,13 @@ MODELS = {
         use_parallel_residual=False),
     "HF Gemma (eager)": causal("GemmaForCausalLM", "GemmaConfig", "eager", head_dim=8,
                                **CAUSAL),
+    "HF Mixtral (4 experts, top 2, router loss)": causal(
+        "MixtralForCausalLM", "MixtralConfig", num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, **CAUSAL),
     "HF T5ForConditionalGeneration": seq2seq("T5ForConditionalGeneration", t5_config),
     "HF BartForConditionalGeneration": seq2seq("BartForConditionalGeneration", bart_config),
     "HF CLIPModel": clip,
+    "HF WhisperForConditionalGeneration": whisper,
     "HF BertForSequenceClassification": bert_classifier,
 }
 
