@@ -72,7 +72,7 @@ def test_a_compiled_submodule_is_refused():
     model.block = torch.compile(model.block)
     with pytest.raises(ValueError, match="block of Checkpointed is compiled"):
         sn.wrap(model, policy="recompute")(X)
-    with pytest.raises(ValueError, match="_orig_mod"):
+    with pytest.raises(ValueError, match="the model is compiled.*_orig_mod"):
         sn.wrap(torch.compile(Checkpointed(reentrant=False)), policy="recompute")(X)
 
 

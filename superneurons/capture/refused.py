@@ -20,11 +20,13 @@ from torch import nn
 def refuse_unsupported(model: nn.Module) -> None:
     """Rules 1 and 2, as far as the model's modules tell before capture."""
     from torch._dynamo.eval_frame import OptimizedModule
-    compiled = [name or type(model).__name__ for name, module in model.named_modules()
+    compiled = [name for name, module in model.named_modules()
                 if isinstance(module, OptimizedModule)]
     if compiled:
+        what = "the model" if compiled[0] == "" else \
+            f"{', '.join(compiled[:3])} of {type(model).__name__}"
         raise ValueError(
-            f"{', '.join(compiled[:3])} of {type(model).__name__} is compiled with "
+            f"{what} is compiled with "
             "torch.compile, whose kernels (and random numbers) differ from the module's Python, "
             "which superneurons runs: its gradients would not be the compiled model's. Wrap "
             "the model uncompiled (a compiled module's original is its _orig_mod).")
