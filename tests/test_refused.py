@@ -107,3 +107,50 @@ def test_an_unregistered_output_class_is_named_with_the_fix():
     with pytest.raises(ValueError, match=r"register_dataclass\(TwoHeads\)") as error:
         sn.wrap(Forked(), policy="recompute")(X)
     assert "these arguments" not in str(error.value)      # the call was not the problem
+
+
+def _t5():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    ids, labels = torch.randint(1, 64, (2, 16)), torch.randint(1, 64, (2, 8))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, -4:] = 0                          # padding: the mask is passed as it is
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                   "use_cache": False}
+
+
+def test_t5_under_autocast_is_refused_and_trains_bit_for_bit_without_it():
+    """Rule 3: under CPU bf16 autocast its relative attention bias's gradient differed."""
+    model, kwargs = _t5()
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(ValueError, match="T5 family"):
+        sn.wrap(model, policy="recompute")(**kwargs)
+    plain, _ = _t5()
+    torch.manual_seed(1)
+    plain(**kwargs).loss.backward()
+    wrapped_model, _ = _t5()
+    torch.manual_seed(1)
+    sn.wrap(wrapped_model, policy="recompute")(**kwargs).loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(),
+                                                           wrapped_model.parameters()))
+
+
+def test_the_t5_refusal_is_still_needed(monkeypatch):
+    """What Rule 3 refuses: captured anyway, T5 under CPU bf16 autocast gets another gradient
+    than plain PyTorch's. Should this fail, capture takes T5's eager path: lift the refusal."""
+    from superneurons.capture import entry
+    monkeypatch.setattr(entry, "refuse_under_autocast", lambda model, autocast: None)
+    grads = []
+    for wrapped in (False, True):
+        model, kwargs = _t5()
+        run = sn.wrap(model, policy="recompute") if wrapped else model
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(**kwargs).loss
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert not all(torch.equal(a, b) for a, b in zip(*grads))

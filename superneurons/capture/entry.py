@@ -8,6 +8,7 @@ from torch import nn
 
 from .export import export_graph, hooks_of
 from .graph import LayerGraph
+from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses
 from .trace import Analyzer, meta_like, trace
 
@@ -63,6 +64,7 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     (hf.py Rule 1). ``slice_loss``: cross-entropy layers with their backward in slices
     (sliced_loss.py)."""
     args, kwargs = example_args(example_input), dict(kwargs or {})
+    refuse_under_autocast(model, autocast)                                  # refused.py
     if tracer not in ("auto", "export"):
         raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
     if tracer == "auto" and _fx_is_exact(model, args, kwargs):

@@ -10,7 +10,14 @@ Rule 2: checkpointing the model does itself is superneurons' job here, planned w
         gradient checkpointing (either kind) also adds a hook on the input embeddings:
         refused, naming how to turn it off. A non-reentrant checkpoint in the model's own
         forward is captured as the operations it runs, and trains bit for bit.
+Rule 3: HF's T5 family under torch.autocast: its captured graph masks the decoder's attention
+        bias on another path than its eager forward takes, and the relative attention bias's
+        gradient differs in its last bits (CPU bf16; tests/test_refused.py). In float32 it
+        trains bit for bit. Refused under autocast until capture takes the eager path there.
 """
+
+# HF model types sharing T5's attention with a relative position bias (Rule 3)
+_T5_FAMILY = {"t5", "mt5", "umt5", "longt5", "switch_transformers"}
 
 import contextlib
 
@@ -37,6 +44,19 @@ def refuse_unsupported(model: nn.Module) -> None:
             "(gradient_checkpointing_enable()): superneurons recomputes what the budget needs "
             "itself. Turn it off before wrapping: model.gradient_checkpointing_disable() "
             "(activation_checkpointing_disable() in newer transformers).")
+
+
+def refuse_under_autocast(model: nn.Module, autocast) -> None:
+    """Rule 3; ``autocast``: the (device type, dtype) the step runs under, or None."""
+    kinds = {getattr(getattr(module, "config", None), "model_type", None)
+             for module in model.modules()}
+    if autocast is not None and kinds & _T5_FAMILY:
+        raise ValueError(
+            f"{type(model).__name__} (HF's T5 family) under torch.autocast: superneurons' "
+            "captured graph masks the decoder's attention bias on another path than the "
+            "model's own forward, and its gradients would differ from plain PyTorch's in their "
+            "last bits. Train it without autocast (bit for bit then), or keep autocast and "
+            "train it without superneurons.")
 
 
 class ReentrantCheckpoint(Exception):
