@@ -154,3 +154,35 @@ def test_the_t5_refusal_is_still_needed(monkeypatch):
         loss.backward()
         grads.append([p.grad for p in model.parameters()])
     assert not all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_hf_output_recording_hooks_left_by_a_first_call_are_not_refused():
+    """transformers installs hooks that record router logits at a model's first call and keeps
+    them; they only hand outputs to the model's return value, so a model called before (or
+    captured before: a second input shape) still trains, bit for bit."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, use_cache=False)
+    base = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(1, 64, (2, 8))
+    base(input_ids=ids, labels=ids)                      # its hooks are installed now
+    losses, models = [], []
+    for wrapped in (False, True):
+        model = copy.deepcopy(base)
+        models.append(model)
+        run = sn.wrap(model, policy="recompute") if wrapped else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=True)
+            loss = run(input_ids=ids, labels=ids).loss      # its router loss included
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    assert all(torch.equal(a, b) for a, b in zip(models[0].state_dict().values(),
+                                                 models[1].state_dict().values()))

@@ -42,13 +42,21 @@ class ExportedGraph:
     out_spec: pytree.TreeSpec      # how the graph's outputs rebuild the model's output
 
 
+# transformers installs these at a model's first call that asks for recorded outputs (router
+# logits, attentions, hidden states) and keeps them: they only hand a module's output to the
+# model's own return value, which export traces as the graph's outputs
+_RECORDING_HOOKS = "transformers.utils.output_capturing"
+
+
 def hooks_of(model: nn.Module) -> list:
     """Descriptions of the module hooks a captured graph could not run every step."""
     found = []
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     for name, module in model.named_modules():
         for kind in kinds:
-            if getattr(module, kind, None):
+            hooks = getattr(module, kind, None) or {}
+            if any(getattr(getattr(hook, "func", hook), "__module__", None) != _RECORDING_HOOKS
+                   for hook in hooks.values()):
                 found.append(f"{kind[1:-1].replace('_', ' ')} on {name or type(model).__name__}")
     module_hooks = nn.modules.module
     for kind in ("_global_forward_hooks", "_global_forward_pre_hooks",

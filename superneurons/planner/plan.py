@@ -310,11 +310,23 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
                      f"parameters, gradients and optimizer state in host memory) it needs "
                      f"{format_bytes(streamed.peak_bytes)} ({streamed.peak_bytes} bytes)")
     needed = min(result.peak_bytes, smallest.peak_bytes)
+    if result.policy is not Policy.LIVENESS:
+        # keeping everything can need less than a floor whose replays and copies hold more at
+        # once (a small model's state on the host): then it is the smaller need
+        kept = _build(result.graph, list(result.order), result.timeline, result.costs,
+                      Policy.LIVENESS, result.strategy, budget, state=result.state)
+        if kept.peak_bytes < needed:
+            hint += (f"; policy 'liveness', which recomputes and moves nothing, needs "
+                     f"{format_bytes(kept.peak_bytes)} ({kept.peak_bytes} bytes)")
+            needed = kept.peak_bytes
+    if needed <= budget:
+        advice = "Plan it with policy 'liveness', which fits; sn.wrap chooses it itself."
+    else:
+        advice = f"Raise the budget to at least {format_bytes(needed)} or use a smaller batch."
     raise BudgetError(
         f"policy {str(result.policy)!r} needs at least {format_bytes(result.peak_bytes)} "
         f"({result.peak_bytes} bytes) for this model and input, more than the budget of "
-        f"{format_bytes(budget)}{hint}. Raise the budget to at least "
-        f"{format_bytes(needed)} or use a smaller batch.", str(result.policy), result.peak_bytes,
+        f"{format_bytes(budget)}{hint}. {advice}", str(result.policy), result.peak_bytes,
         needed, hint)
 
 
