@@ -519,6 +519,6 @@ def test_a_budget_error_names_liveness_where_it_needs_less_than_the_policys_floo
     kept = sn.plan(model, (), "liveness", kwargs=kwargs, state="host").peak_bytes
     if kept >= floor:
         pytest.skip("liveness needs no less than the floor here: nothing to name")
-    with pytest.raises(BudgetError, match="policy 'liveness'.*which fits") as error:
+    with pytest.raises(BudgetError, match="Use policy 'liveness', which fits") as error:
         sn.plan(model, (), "superneurons", (kept + floor) // 2, kwargs=kwargs, state="host")
     assert error.value.needed_bytes == kept

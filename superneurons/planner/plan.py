@@ -309,7 +309,9 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
             hint += (f"; with the model's state on the host (sn.wrap(..., state='host'): "
                      f"parameters, gradients and optimizer state in host memory) it needs "
                      f"{format_bytes(streamed.peak_bytes)} ({streamed.peak_bytes} bytes)")
-    needed = min(result.peak_bytes, smallest.peak_bytes)
+    needed, fitting = min(result.peak_bytes, smallest.peak_bytes), None
+    if smallest is not result and smallest.peak_bytes <= budget:
+        fitting = "superneurons"
     if result.policy is not Policy.LIVENESS:
         # keeping everything can need less than a floor whose replays and copies hold more at
         # once (a small model's state on the host): then it is the smaller need
@@ -319,8 +321,11 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
             hint += (f"; policy 'liveness', which recomputes and moves nothing, needs "
                      f"{format_bytes(kept.peak_bytes)} ({kept.peak_bytes} bytes)")
             needed = kept.peak_bytes
-    if needed <= budget:
-        advice = "Plan it with policy 'liveness', which fits; sn.wrap chooses it itself."
+            fitting = "liveness" if kept.peak_bytes <= budget else fitting
+    if fitting:
+        advice = f"Use policy {fitting!r}, which fits" + (
+            " (sn.wrap runs the model untouched where it fits)" if fitting == "liveness"
+            else "") + "."
     else:
         advice = f"Raise the budget to at least {format_bytes(needed)} or use a smaller batch."
     raise BudgetError(
