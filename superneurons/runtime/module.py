@@ -426,11 +426,9 @@ class SuperNeuronsModule(nn.Module):
                     "budget, or leave strict_budget off (the step may then pass the budget "
                     "there)") from error
             decides = foreign is not None and self.policy in _DECIDES_UNTOUCHED   # Rule 2
-            says = self._says_passed(device)                        # untouched.py Rule 4
-            if decides or says:
-                self._untouched.watch(key, out, device,
-                                      plan.peak_bytes + foreign if decides else None,
-                                      self.budget_bytes if says else None)
+            self._untouched.watch(key, out, device,
+                                  plan.peak_bytes + foreign if decides else None,
+                                  self.budget_bytes if self._says_passed(device) else None)
             return out
         if self._fallbacks.get(key, (None, None))[1] is executor:               # Rule 2
             self._untouched.warming(key)       # a managed step runs, not plan_for's look

@@ -109,6 +109,10 @@ class UntouchedWatch:
         A hook on each output that has a backward only sees the first gradient pass and
         queues the reading for the backward's end. The wrapper's forward has cancelled the
         watch of any earlier step (one never backpropagated is not read)."""
+        if key in self.passed:
+            budget_bytes = None                  # said once (Rule 4): not read for it again
+        if predicted is None and budget_bytes is None:
+            return
         began = (_resets.get(_device_key(device)), self._forgotten)
         queued = []
 
