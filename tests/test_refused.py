@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
 import superneurons as sn
+from equality import assert_same_training, train
 
 
 class Checkpointed(nn.Module):
@@ -28,18 +29,6 @@ class Checkpointed(nn.Module):
 X, Y = torch.randn(4, 8), torch.randint(0, 2, (4,))
 
 
-def _steps(model, run) -> list:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(3):
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(run(X), Y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    return losses
-
-
 def test_a_reentrant_checkpoint_in_the_forward_is_refused_and_the_patch_undone():
     """Rule 2: its part would run under no_grad in the captured graph; before, the wrapped
     step's output had no gradient and backward raised deep in autograd."""
@@ -47,22 +36,14 @@ def test_a_reentrant_checkpoint_in_the_forward_is_refused_and_the_patch_undone()
     with pytest.raises(ValueError, match="use_reentrant=True"):
         sn.wrap(Checkpointed(reentrant=True), policy="recompute")(X)
     assert CheckpointFunction.apply == apply
-    torch.manual_seed(0)
-    plain = Checkpointed(reentrant=True)
-    _steps(plain, plain)                      # and plain PyTorch's reentrant checkpoint works
+    losses = train(Checkpointed(reentrant=True), X, Y, 3, loss_fn=F.cross_entropy)
+    assert torch.isfinite(torch.stack(losses)).all()    # plain PyTorch's reentrant one works
 
 
 @pytest.mark.parametrize("policy", ["recompute", "superneurons"])
 def test_a_non_reentrant_checkpoint_in_the_forward_trains_bit_for_bit(policy):
-    torch.manual_seed(0)
-    plain = Checkpointed(reentrant=False)
-    torch.manual_seed(0)
-    model = Checkpointed(reentrant=False)
-    expected = _steps(plain, plain)
-    got = _steps(model, sn.wrap(model, policy=policy))
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                 model.state_dict().values()))
+    assert_same_training(Checkpointed(reentrant=False), X, Y, loss_fn=F.cross_entropy,
+                         policy=policy)
 
 
 def test_a_compiled_submodule_is_refused():
@@ -161,15 +142,10 @@ def test_hf_output_recording_hooks_left_by_a_first_call_are_not_refused():
     them; they only hand outputs to the model's return value, so a model called before (or
     captured before: a second input shape) still trains, bit for bit."""
     import copy
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, use_cache=False)
-    base = transformers.MixtralForCausalLM(config).train()
-    ids = torch.randint(1, 64, (2, 8))
-    base(input_ids=ids, labels=ids)                      # its hooks are installed now
+    pytest.importorskip("transformers")
+    from today_models import tiny_hf_mixtral
+    base, kwargs = tiny_hf_mixtral()
+    base(**kwargs)                                       # its hooks are installed now
     losses, models = [], []
     for wrapped in (False, True):
         model = copy.deepcopy(base)
@@ -179,7 +155,7 @@ def test_hf_output_recording_hooks_left_by_a_first_call_are_not_refused():
         torch.manual_seed(1)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=True)
-            loss = run(input_ids=ids, labels=ids).loss      # its router loss included
+            loss = run(**kwargs).loss                       # its router loss included
             loss.backward()
             optimizer.step()
         losses.append(loss.detach())

@@ -502,19 +502,14 @@ def test_pool_storages_no_layer_has_saved_yet_are_counted():
     F.nll_loss(wrapped(X), Y).backward()
     assert any(checks)
 
+
 def test_a_budget_error_names_liveness_where_it_needs_less_than_the_policys_floor():
     """A floor whose replays and copies hold more at once than keeping everything (HF Mixtral's
     with its state on the host): the error names liveness's smaller need, and where liveness
     fits the budget it says to use it rather than to raise the budget."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, use_cache=False)
-    model = transformers.MixtralForCausalLM(config).train()
-    ids = torch.randint(1, 128, (2, 16))
-    kwargs = {"input_ids": ids, "labels": ids}
+    pytest.importorskip("transformers")
+    from today_models import tiny_hf_mixtral
+    model, kwargs = tiny_hf_mixtral()
     floor = sn.plan(model, (), "superneurons", kwargs=kwargs, state="host").peak_bytes
     kept = sn.plan(model, (), "liveness", kwargs=kwargs, state="host").peak_bytes
     if kept >= floor:

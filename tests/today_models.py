@@ -251,6 +251,20 @@ def build_hf_llama():
     return model.train(), (), kwargs, _hf_loss
 
 
+def tiny_hf_mixtral():
+    """HF Mixtral from a small config (4 experts, top 2, its router loss) and a call of it, for
+    the tests of its own paths (it is not in the matrix); deterministic from seed 0."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=64, num_local_experts=4,
+                           num_experts_per_tok=2, output_router_logits=True, use_cache=False)
+    ids = torch.randint(1, config.vocab_size, (2, 16))
+    return MixtralForCausalLM(config).train(), {"input_ids": ids, "labels": ids}
+
+
 def build_hf_bert_mlm():
     from transformers import BertConfig, BertForMaskedLM
 
