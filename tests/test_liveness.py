@@ -48,7 +48,8 @@ def test_in_and_out_sets_step_by_step():
 def test_exact_bytes_per_step():
     plan = sn.plan(Fan(), (2, 1, 4, 4), policy="liveness")
     # x 128, conv1 256, pool 64 (+128 indices), branches 64 each, add 64, fc 24, softmax 24
-    by_hand = [384, 576, 640, 704, 768, 640, 664, 688, 712, 728, 640, 640, 704, 704, 832, 384]
+    # step 13: conv_a's gradient for pool lives beside the one conv_b left, then is added in
+    by_hand = [384, 576, 640, 704, 768, 640, 664, 688, 712, 728, 640, 640, 704, 768, 832, 384]
     assert [s.live_bytes - RESIDENT for s in plan.steps] == by_hand
     assert plan.resident_bytes == RESIDENT
     assert plan.peak_bytes == 832 + RESIDENT
@@ -56,7 +57,7 @@ def test_exact_bytes_per_step():
     assert (pool.forward_bytes, pool.backward_bytes) == (448, 704)
     assert plan.max_layer_bytes == 704
     baseline = sn.plan(Fan(), (2, 1, 4, 4), policy="baseline")
-    assert baseline.peak_bytes == 1248 + RESIDENT
+    assert baseline.peak_bytes == 1312 + RESIDENT      # frees nothing, conv_a's gradient included
     assert [s.live_tensors for s in plan.steps][:5] == [2, 4, 5, 6, 7]
 
 
@@ -65,3 +66,32 @@ def test_meta_and_real_inputs_plan_alike():
     from_shape = sn.plan(model, (2, 1, 4, 4))
     from_tensor = sn.plan(model, torch.randn(2, 1, 4, 4))
     assert [s.live_bytes for s in from_shape.steps] == [s.live_bytes for s in from_tensor.steps]
+
+
+class Dense(nn.Module):
+    """x -> conv1 -> cat(x, f1) -> conv2 -> cat(x, f1, f2) -> conv3: a DenseNet block's fan."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 2, 1), nn.Conv2d(4, 2, 1)
+        self.conv3 = nn.Conv2d(6, 2, 1)
+
+    def forward(self, x):
+        f1 = self.conv1(self.conv1(x))          # x's own producer, so its gradient is counted
+        f2 = self.conv2(torch.cat([x, f1], 1))
+        return self.conv3(torch.cat([x, f1, f2], 1))
+
+
+def test_a_concatenation_hands_slices_of_one_gradient():
+    """A concatenation's backward hands each input a slice of its output's gradient: that
+    gradient lives until every slice was added to another (a fresh buffer) or consumed."""
+    plan = sn.plan(Dense(), (2, 2, 4, 4), policy="liveness")
+    steps = {name: index for index, name in enumerate(plan.route)}
+    bwd = {name: 2 * len(plan.route) - 1 - index for name, index in steps.items()}
+    grads = [b for b in plan.buffers if b.label.startswith("grad(cat")]
+    wide = max(grads, key=lambda b: b.nbytes)     # the second concatenation's: 6 channels
+    assert wide.nbytes == 2 * 6 * 16 * 4
+    # from conv3's backward until the first concatenation's backward adds to x's and f1's slices
+    assert wide.intervals == ((bwd["conv3"], bwd["cat"]),)
+    # conv2's backward: its gradient for the first concatenation beside the wide one
+    assert {"grad(cat)", "grad(cat_1)"} <= plan.in_out(bwd["conv2"])[1]
