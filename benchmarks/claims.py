@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 # results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
 # (results/claims_zoo.json), below what their plans allow.
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
-          ("resnet152_869", "resnet152", 869, None), ("densenet201_821", "densenet201", 821, None),
+          ("resnet152_869", "resnet152", 869, None), ("densenet201_799", "densenet201", 799, None),
           ("inception_v4_450", "inception_v4", 450, None), ("vgg16_271", "vgg16", 271, None),
           ("alexnet_2171", "alexnet", 2171, None), ("resnet_depth_2804", "resnet", 16, 924)]
 STEPS = 3

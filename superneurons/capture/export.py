@@ -135,8 +135,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
                 "so: give it a momentum)" if cumulative else "") + "; move it out of the "
                 "forward, or wrap the part of the model that does not read them.") from error
+        # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
         unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
-                            str(error))
+                            str(error)) or re.search(r"unhashable type: '(\w+)'", str(error))
         if unknown and "Cache" not in unknown.group(1):
             raise ValueError(
                 f"{type(model).__name__} returns a {unknown.group(1)}, which torch.export "
