@@ -61,7 +61,7 @@ def one(build) -> dict:
     torch.cuda.empty_cache()
     empty = torch.cuda.memory_allocated()
     model, args, kwargs = build()
-    plan = sn.plan(model, *args, policy="liveness", **kwargs)
+    plan = sn.plan(model, args, policy="liveness", kwargs=kwargs)
     measured = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import superneurons as sn
-from superneurons.runtime import allocator_cap
+from superneurons.runtime import allocator_cap, workspaces
 from superneurons.runtime.allocator_cap import AllocatorCap
 from superneurons import models
 
@@ -63,6 +63,7 @@ def _callers_limit_back():
     yield
     if before is not None:
         allocator_cap._held.clear()
+        workspaces._running.clear()
         torch.cuda.set_per_process_memory_fraction(before, 0)
 
 
@@ -160,6 +161,25 @@ def test_a_backward_that_raises_keeps_the_limit_until_the_next_forward_or_collec
     del failing
     gc.collect()
     assert probe.limit.fraction == 1.0 and allocator_cap._held == {}
+
+
+def test_a_convolution_limit_left_by_a_raising_backward_gives_back_what_remains(
+        probe, monkeypatch):
+    """The backward raised inside a convolution under its workspace limit, which replaced the
+    strict budget's fraction; once that hold is dropped (its wrapper collected), the limit
+    left gives back the caller's fraction, not the dropped budget's."""
+    monkeypatch.setattr(workspaces, "_running", {})
+    x = torch.ones(3, requires_grad=True)
+    failing = strict_wrapper(8 * GiB)
+    probe.during = lambda: workspaces._running.__setitem__(
+        0, workspaces._Running(None, [], probe.limit.fraction))     # a limit begins, then
+    probe.fail = True                                                # the backward raises
+    with pytest.raises(RuntimeError, match="fails"):
+        failing._capped(CUDA0, lambda: probe.apply(x)).sum().backward()
+    del failing
+    gc.collect()
+    workspaces.end_stale()                    # what the next wrapped forward does first
+    assert probe.limit.fraction == 1.0 and not workspaces._running
 
 
 def test_strict_budget_is_refused_where_it_cannot_hold(monkeypatch):

@@ -75,7 +75,9 @@ def test_without_room_the_outputs_still_fit_and_cached_blocks_are_returned(monke
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     with fit.fitted([256 * MiB]):
         assert fake.emptied == 1                    # a cached GiB would serve any workspace
-        assert fake.limit == pytest.approx(fake.reserved + segment_bytes(256 * MiB), abs=1)
+        # and one small segment for the kernel's own small requests
+        assert fake.limit == pytest.approx(
+            fake.reserved + segment_bytes(256 * MiB) + segment_bytes(1), abs=1)
 
 
 def test_a_stricter_limit_of_the_callers_stays(monkeypatch):
@@ -113,7 +115,7 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
     gradients += [out.numel() * out.element_size()]
     assert seen[:2] == [("unpacking", True, True), ("lifted", 1.0)]
     assert seen[-1] == ("limited again", pytest.approx(fake.reserved + max(
-        2 * GiB - fake.allocated - sum(gradients), 4 * segment_bytes(1)), abs=1))
+        2 * GiB - fake.allocated - sum(gradients), 5 * segment_bytes(1)), abs=1))
     assert fake.fraction == 1.0 and not fit.limiting
 
 

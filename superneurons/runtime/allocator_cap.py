@@ -21,7 +21,8 @@ Holds nest, each under its own key: a forward's (a recomputation can run a wrapp
 inside a backward), a backward's (its graph task), other wrappers' on the same device. The
 strictest fraction applies; the caller's comes back with the last hold. A backward that raises
 runs no callback: its hold is dropped when a forward starts outside any backward, or when its
-wrapper is collected.
+wrapper is collected, and a convolution's workspace limit it left (workspaces.py) then gives
+back the fraction of the holds that remain.
 """
 
 import itertools
@@ -124,5 +125,7 @@ def _reserved_bytes(index: int) -> int:
 
 
 def _apply(index: int, fraction: float) -> None:
+    from .workspaces import rebase          # here: workspaces.py imports this module
     if torch.cuda.get_per_process_memory_fraction(index) != fraction:
         torch.cuda.set_per_process_memory_fraction(fraction, index)
+    rebase(index, fraction)

@@ -109,6 +109,15 @@ def end_stale() -> None:
         _end(index)
 
 
+def rebase(index: int, fraction: float) -> None:
+    """A strict budget's hold began or ended (allocator_cap.py): a backward convolution's limit
+    left on ``index`` gives back ``fraction`` now, not the one the hold replaced (a stale limit
+    would otherwise restore a released hold's budget for good)."""
+    running = _running.get(index)
+    if running is not None:
+        _running[index] = running._replace(caller=fraction)
+
+
 def _end(index: int) -> None:
     running = _running.pop(index, None)
     if running is not None:
@@ -184,7 +193,7 @@ class WorkspaceFit:
         workspace gets at most W, blocks cached free included) and R + what O's requests
         reserve at most (the results always fit, where O counts them all; a workspace then
         gets at most their rounding past W, under 20 MiB a result, within the slack of any
-        budget above 1 GiB). Where more than W is cached free, the cache is emptied first (only
+        budget above 1 GiB), with one small segment more. Where more than W is cached free, the cache is emptied first (only
         its wholly free segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved = _stats(self.index)
@@ -192,6 +201,9 @@ class WorkspaceFit:
         if reserved - allocated > room:
             torch.cuda.empty_cache()
             allocated, reserved = _stats(self.index)
-        limit = max(allocated + room, reserved + sum(segment_bytes(n) for n in output_bytes))
+        # and one small segment beyond: a kernel's own small requests (at most 1 MiB, which a
+        # workspace above that never takes) may need one where the small ones are all full
+        limit = max(allocated + room,
+                    reserved + sum(segment_bytes(n) for n in output_bytes) + _SMALL_SEGMENT)
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         return caller
