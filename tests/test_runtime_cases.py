@@ -1,5 +1,7 @@
 """The known traps, each on a small network: every policy must train exactly like PyTorch."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,3 +193,36 @@ def test_a_submodule_replaced_between_steps_is_the_one_trained(swap):
     assert expected.keys() == got.keys()
     for name in expected:
         assert got[name] is not None and torch.equal(expected[name], got[name]), name
+
+
+def test_a_layer_boundary_finds_the_inputs_read_last_gone(monkeypatch):
+    """The room made after a layer counts what only it read as gone (executor Rule 1): nothing
+    of the executor's own may still hold it there, or the next layer runs beside it."""
+    from superneurons.runtime.executor import Executor
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc2(torch.tanh(self.fc1(x)))  # fc1's output: read by tanh alone
+
+    made, seen = [], {}
+    call, account = Executor._call, Executor._account
+
+    def calling(self, layer, *args, **kwargs):
+        out = call(self, layer, *args, **kwargs)
+        if layer.name == "fc1":
+            made.append(weakref.ref(out))
+        return out
+    monkeypatch.setattr(Executor, "_call", calling)
+
+    def reading(self, step, awaiting=None):
+        if made and step == 1:                         # after tanh, its last reader
+            seen["alive"] = made[-1]() is not None
+        return account(self, step, awaiting)
+    monkeypatch.setattr(Executor, "_account", reading)
+    wrapped = sn.wrap(Chain(), policy="offload")
+    wrapped(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert seen == {"alive": False}

@@ -283,6 +283,9 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.end_layer(layer.node, out)
                 if self.pending:
                     self._resolve(layer, position, inputs, out)
+                # the room made below counts the inputs this layer read last as gone: a local
+                # reference would keep them on the device through the next layer
+                call_args = kwargs = inputs = out = None
                 for node in self.free_after[position]:
                     if env.pop(node, None) is not None:
                         self._env_drops(node)
@@ -427,6 +430,7 @@ class Executor(RoomKeeping, SavedTensors):
                     for tensor, value in zip(outputs, layer.outputs):
                         if ("value", value) in wanted:
                             record.cache["value", value] = tensor.detach()
+                    args = kwargs = out = outputs = tensor = None     # as in forward
                     for node in free_after[position]:
                         if node not in record.inputs:
                             env.pop(node, None)
