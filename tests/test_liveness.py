@@ -95,3 +95,22 @@ def test_a_concatenation_hands_slices_of_one_gradient():
     assert wide.intervals == ((bwd["conv3"], bwd["cat"]),)
     # conv2's backward: its gradient for the first concatenation beside the wide one
     assert {"grad(cat)", "grad(cat_1)"} <= plan.in_out(bwd["conv2"])[1]
+
+
+def test_an_in_place_layer_makes_a_fresh_gradient_beside_its_outputs():
+    """ReLU(inplace=True)'s backward writes a new gradient for its input while its output's
+    lives: two buffers of the storage at that step, one after."""
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu_(self.fc1(x)))
+
+    plan = sn.plan(InPlace(), (2, 4), policy="liveness")
+    relu = next(layer for layer in plan.graph.layers if layer.kind == "ACT")
+    at = 2 * len(plan.route) - 1 - plan.route.index(relu.name)
+    grads = [b for b in plan.buffers if b.label == "grad(fc1)"]
+    assert [b.intervals for b in grads] == [((at - 1, at),), ((at, at + 1),)]

@@ -66,7 +66,8 @@ class _GradientFlow:
     one gradient buffer, from the first gradient that reaches it until its creator's backward ran.
     1. A layer's backward allocates a fresh buffer for each input, except a PASS_THROUGH layer,
        whose inputs' slots refer to the buffer holding its output's gradient (a slice of it, for
-       a concatenation).
+       a concatenation), and a view, whose gradient is a view of its output's. An in-place
+       layer's fresh buffer replaces its storage's gradient, both live through its step.
     2. A second gradient reaching a slot is added in place when the slot holds a whole buffer no
        other slot refers to; otherwise the sum is a fresh buffer and the slot lets go of the old.
        The incoming fresh buffer lives only through that step.
@@ -100,9 +101,13 @@ class _GradientFlow:
         passes = layer.kind in PASS_THROUGH and len(outputs) == 1
         for value in dict.fromkeys(layer.inputs) if outputs else ():
             storage = graph.values[value].storage
-            if (not graph.values[value].requires_grad or storage in outputs
-                    or graph.storages[storage].creator is None):
-                continue                  # a view or in-place result keeps its storage's slot
+            if not graph.values[value].requires_grad or graph.storages[storage].creator is None:
+                continue
+            if storage in outputs:        # a view's gradient is a view: the slot stays as is
+                if storage in layer.mutates and not passes and storage in self.slot:
+                    self._let_go(storage, step)      # in place (ReLU(inplace=True)): a fresh
+                    self._receive(storage, self._new(storage, step), False, step)  # gradient
+                continue
             if passes and self._handed_whole_or_sliced(layer, value):
                 held = self.slot.get(next(iter(outputs)))
                 if held is not None:
