@@ -15,20 +15,10 @@ import sys
 import time
 from collections import defaultdict
 
-from snapshot_peak import where
+from snapshot_peak import live_blocks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 6
-
-
-def _live_blocks() -> dict:
-    import torch
-    groups = defaultdict(int)
-    for segment in torch.cuda.memory._snapshot()["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
-                groups[where(block.get("frames", []), ("torch/", "torchvision"))] += block["size"]
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:25])
 
 
 def child(name: str, dtype: str, ratio: float, out: str) -> None:
@@ -48,7 +38,7 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
         if state["step"] == 1 and step == state["snap_at"] and state["snapshot"] is None:
             state["snapshot"] = {"timeline_step": step, "planned": planned, "pool": pool,
                                  "others": others, "allocated": self.read(),
-                                 "blocks": _live_blocks()}
+                                 "blocks": live_blocks(("torch/", "torchvision"), 25)}
         readings[state["step"]].append(
             (step, max(0, self.read() - others - pool - planned), planned, pool))
         return observe(self, step, others, planned, pool)

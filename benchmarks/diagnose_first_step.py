@@ -10,22 +10,11 @@ import argparse
 import os
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from snapshot_peak import where  # noqa: E402
+from snapshot_peak import live_blocks  # noqa: E402
 
 HIGHS_KEPT = 4
-
-
-def _live_blocks() -> dict:
-    import torch
-    groups = defaultdict(int)
-    for segment in torch.cuda.memory._snapshot()["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] == "active_allocated":
-                groups[where(block.get("frames", []), ("torch/",))] += block["size"]
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:15])
 
 
 def main():
@@ -52,7 +41,7 @@ def main():
         readings.append((step, excess, planned, pool, others))
         if excess > (highs[-1]["excess"] if highs else 0):
             highs.append({"timeline_step": step, "excess": excess, "planned": planned,
-                          "pool": pool, "others": others, "blocks": _live_blocks()})
+                          "pool": pool, "others": others, "blocks": live_blocks(("torch/",), 15)})
             del highs[:-HIGHS_KEPT]
         return observe(self, step, others, planned, pool)
 

@@ -12,7 +12,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import gpt2, make, token_batch, torch_settings, write  # noqa: E402

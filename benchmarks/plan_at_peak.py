@@ -3,7 +3,7 @@ tensors, scratch), to set against the allocator's trace of the same step on the 
 (diagnose_peak.py). The planner on the meta device; the budget as claims.py gives it, less the
 optimizer's momentum and what PyTorch keeps on the device (claim_batches.py's figures).
 
-    python benchmarks/plan_at_peak.py OUT.json --network densenet201:821 [--budget-gib 11.5]
+    python benchmarks/plan_at_peak.py OUT.json --network densenet201:799 [--budget-gib 11.5]
         [--others-bytes N]   (CPU)
 """
 
@@ -25,7 +25,7 @@ OTHERS_BYTES = 68_380_536
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--network", default="densenet201:821")
+    parser.add_argument("--network", default="densenet201:799")
     parser.add_argument("--budget-gib", type=float, default=11.5)
     parser.add_argument("--others-bytes", type=int, default=OTHERS_BYTES)
     args = parser.parse_args()

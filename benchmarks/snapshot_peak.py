@@ -26,6 +26,18 @@ def where(frames: list, libraries=LIBRARIES) -> str:
                       for f in picked)
 
 
+def live_blocks(libraries: tuple, top: int) -> dict:
+    """The device's allocated blocks now, grouped by where they were made (``where``), the
+    ``top`` largest groups: a snapshot taken while the allocator records its history."""
+    import torch
+    groups = defaultdict(int)
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                groups[where(block.get("frames", []), libraries)] += block["size"]
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1])[:top])
+
+
 def peak(snapshot: dict, device: int = 0) -> dict:
     live, current, best, at, held = {}, 0, 0, None, {}
     events = snapshot["device_traces"][device]

@@ -1,7 +1,8 @@
 """The executor: runs a captured model's training step in route order, as its Plan says.
 
 Rule 1: layers run in the route's order; each value is dropped from the forward's environment
-        right after its last reader (liveness in forward; autograd does backward's).
+        right after its last reader (liveness in forward; autograd does backward's), and the
+        loop lets go of a layer's arguments before the room after it is made.
 Rule 2: every tensor autograd saves goes through one pack hook: inside a recomputation segment
         it becomes a slot to replay; in a checkpoint layer it is matched, by storage, with the
         layer's inputs and outputs, and the plan's action for that storage decides: KEEP (stays
