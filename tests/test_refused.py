@@ -90,6 +90,23 @@ def test_an_unregistered_output_class_is_named_with_the_fix():
     assert "these arguments" not in str(error.value)      # the call was not the problem
 
 
+class Keyed(nn.Module):
+    """The model's own bug: a list as a dictionary key, a TypeError inside its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(8, 2), {(8,): 1.0}
+
+    def forward(self, x):
+        return self.fc(x) * self.scale[list(x.shape[1:])]
+
+
+def test_the_models_own_unhashable_key_is_not_taken_for_its_output_class():
+    with pytest.raises(ValueError) as error:
+        sn.plan(Keyed(), X)
+    assert "register_dataclass" not in str(error.value)
+
+
 def _t5():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

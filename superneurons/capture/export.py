@@ -16,6 +16,7 @@ Rule 2: what export cannot represent exactly is refused before a step runs: modu
         flow, custom objects, and graphs that return mutated inputs.
 """
 
+import builtins
 import contextlib
 import os
 import re
@@ -136,9 +137,11 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "so: give it a momentum)" if cumulative else "") + "; move it out of the "
                 "forward, or wrap the part of the model that does not read them.") from error
         # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
+        # (a built-in type unhashable there is the model's own error, not its output's class)
         unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
                             str(error)) or re.search(r"unhashable type: '(\w+)'", str(error))
-        if unknown and "Cache" not in unknown.group(1):
+        if unknown and "Cache" not in unknown.group(1) and \
+                not hasattr(builtins, unknown.group(1)):
             raise ValueError(
                 f"{type(model).__name__} returns a {unknown.group(1)}, which torch.export "
                 "cannot take apart into tensors. Return a tuple, dict or namedtuple, or "

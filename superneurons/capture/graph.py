@@ -8,6 +8,7 @@ Vocabulary:
   index) or internal tensors (BatchNorm's batch statistics, pooling indices, dropout masks).
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,11 @@ class Value:
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        """Its own bytes, as a gradient of it takes (a view's are fewer than its storage's)."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

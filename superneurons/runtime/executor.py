@@ -422,7 +422,7 @@ class Executor(RoomKeeping, SavedTensors):
                     saved_tensors_hooks(self._capture, _never):
                 for position, layer in enumerate(layers):
                     self.replay_layer, self.replay_counter = layer.index, 0
-                    args, kwargs, _ = self._load(layer.node, env)
+                    args, kwargs, inputs = self._load(layer.node, env)
                     out = self._call(layer, args, kwargs)
                     env[layer.node] = out
                     if self.tier is not None:
@@ -431,7 +431,7 @@ class Executor(RoomKeeping, SavedTensors):
                     for tensor, value in zip(outputs, layer.outputs):
                         if ("value", value) in wanted:
                             record.cache["value", value] = tensor.detach()
-                    args = kwargs = out = outputs = tensor = None     # as in forward
+                    args = kwargs = inputs = out = outputs = tensor = None   # as in forward
                     for node in free_after[position]:
                         if node not in record.inputs:
                             env.pop(node, None)

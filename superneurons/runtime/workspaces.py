@@ -177,7 +177,9 @@ class WorkspaceFit:
         try:
             yield
         finally:
-            if _running.get(self.index) is running:
+            now = _running.get(self.index)      # rebase() may have replaced the record
+            if now is not None and now.fit is running.fit and \
+                    now.output_bytes is running.output_bytes:
                 running.fit._limit(running.output_bytes)
 
     def _backward_begins(self, gradient_bytes: list) -> None:
@@ -201,9 +203,9 @@ class WorkspaceFit:
         if reserved - allocated > room:
             torch.cuda.empty_cache()
             allocated, reserved = _stats(self.index)
-        # and one small segment beyond: a kernel's own small requests (at most 1 MiB, which a
-        # workspace above that never takes) may need one where the small ones are all full
+        # and one small segment beyond either: a kernel's own small requests (at most 1 MiB,
+        # which a workspace above that never takes) may need one where the small ones are full
         limit = max(allocated + room,
-                    reserved + sum(segment_bytes(n) for n in output_bytes) + _SMALL_SEGMENT)
+                    reserved + sum(segment_bytes(n) for n in output_bytes)) + _SMALL_SEGMENT
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         return caller

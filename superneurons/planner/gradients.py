@@ -1,0 +1,116 @@
+"""Autograd's gradient buffers through backward: when each is made and how long it lives.
+
+Autograd keeps one input buffer per value whose gradient is still to be consumed (its slot
+here), from the first gradient that reaches the value until the backward of the layer that
+produced it. A slot refers to one gradient buffer; several slots may refer to the same one.
+
+Rule 1: a layer's backward makes a fresh buffer for each input it sends a gradient to, of the
+        input's size, except where it hands on the buffer holding its output's gradient:
+        - an add (JOIN) hands the same tensor to each input of the output's shape and dtype
+          (one it broadcast, cast or scaled by alpha gets a fresh one);
+        - a concatenation (CONCAT) hands a slice of it to each input;
+        - a view whose backward is a view (VIEWS) hands it on reshaped. Other views allocate:
+          a slice's or a select's backward makes a zero buffer of its input's size, a split's
+          concatenates its pieces into one.
+Rule 2: a second gradient reaching a slot is added in place where the slot holds a whole buffer
+        no other slot refers to and the incoming one is another; otherwise the sum is a fresh
+        buffer and the slot lets go of the old (the same tensor twice, as in h + h, is summed
+        out of place). An incoming fresh buffer lives only through that step.
+Rule 3: a buffer lives until no slot refers to it.
+"""
+
+from ..capture import Kind, LayerGraph
+
+# views whose backward is a view of the gradient (ATen overload packets, tensor methods,
+# functions and modules by lowercase name): nothing is allocated for their input
+VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "squeeze",
+                   "unsqueeze", "flatten", "unflatten", "alias", "view_as", "reshape_as",
+                   "contiguous"})
+
+
+def gradient_buffers(graph: LayerGraph, timeline) -> list:
+    """(value, first step, last step) of every gradient buffer the step's backward makes."""
+    return _GradientFlow(graph, timeline).run()
+
+
+def _op_name(layer) -> str:
+    node = layer.node
+    if node.op == "call_function":
+        packet = getattr(node.target, "overloadpacket", None)
+        return (packet.__name__ if packet is not None else getattr(node.target, "__name__", ""))
+    if node.op == "call_method":
+        return node.target
+    return type(layer.module).__name__.lower() if layer.module is not None else ""
+
+
+class _GradientFlow:
+    def __init__(self, graph: LayerGraph, timeline):
+        self.graph, self.timeline = graph, timeline
+        self.made: list = []          # [value, first, last] per buffer
+        self.refs: list = []          # buffer -> values whose slots refer to it
+        self.slot: dict = {}          # value -> (buffer, whether it holds a slice of it)
+
+    def run(self) -> list:
+        graph, n = self.graph, self.timeline.num_layers
+        for value in dict.fromkeys(graph.output_values):
+            if graph.values[value].requires_grad and graph.values[value].producer is not None:
+                self._receive(value, self._new(value, n), False, n)
+        by_position = sorted(self.timeline.position, key=self.timeline.position.get)
+        for layer_index in reversed(by_position):
+            self._backward(graph.layers[layer_index], self.timeline.bwd(layer_index))
+        last_step = self.timeline.num_steps - 1
+        return [(value, first, last_step if self.refs[b] else last)
+                for b, (value, first, last) in enumerate(self.made)]
+
+    def _backward(self, layer, step: int) -> None:
+        values = self.graph.values
+        held = [self.slot[v] for v in layer.outputs if v in self.slot]
+        if held:                      # Rule 1; a layer no gradient reached does not run
+            handing = self._hands_on(layer)
+            for value in layer.inputs:
+                if not values[value].requires_grad or values[value].producer is None:
+                    continue
+                if handing(value):
+                    buffer, sliced = held[0]
+                    self._receive(value, buffer, sliced or layer.kind is Kind.CONCAT, step)
+                else:
+                    self._receive(value, self._new(value, step), False, step)
+        for value in layer.outputs:   # its producer's backward consumed the gradient
+            self._let_go(value, step)
+
+    def _hands_on(self, layer):
+        """Which inputs get the output's gradient buffer itself (Rule 1), as a predicate."""
+        values = self.graph.values
+        if len(layer.outputs) != 1:
+            return lambda value: False
+        out = values[layer.outputs[0]]
+        if layer.kind is Kind.CONCAT or _op_name(layer) in VIEWS:
+            return lambda value: True
+        if layer.kind is Kind.JOIN and layer.node.kwargs.get("alpha", 1) == 1:
+            return lambda value: (values[value].shape == out.shape
+                                  and values[value].dtype == out.dtype)
+        return lambda value: False
+
+    def _new(self, value: int, step: int) -> int:
+        self.made.append([value, step, step])
+        self.refs.append(set())
+        return len(self.made) - 1
+
+    def _receive(self, value: int, buffer: int, sliced: bool, step: int) -> None:
+        if value not in self.slot:
+            self.slot[value] = (buffer, sliced)
+            self.refs[buffer].add(value)
+            return
+        old, old_sliced = self.slot[value]
+        if old_sliced or old == buffer or self.refs[old] != {value}:     # Rule 2: out of place
+            self._let_go(value, step)
+            self._receive(value, self._new(value, step), False, step)
+        # the incoming buffer, where fresh, is referred to by no slot: it ends at this step
+
+    def _let_go(self, value: int, step: int) -> None:
+        held = self.slot.pop(value, None)
+        if held is None:
+            return
+        self.refs[held[0]].discard(value)
+        if not self.refs[held[0]]:
+            self.made[held[0]][2] = step
