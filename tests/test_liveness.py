@@ -136,3 +136,37 @@ def test_a_slice_makes_a_gradient_of_its_whole_input():
     whole = 2 * 8 * 4
     for_h = [b for b in plan.buffers if b.label == "grad(fc1)"]
     assert len(for_h) == 2 and all(b.nbytes == whole for b in for_h)
+
+
+class Twice(nn.Module):
+    """h + h, then a residual add of a float32 norm and a bfloat16 projection of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        n = self.norm(h + h)
+        return n + self.fc2(n).to(torch.bfloat16)
+
+
+def _bwd(plan, name: str) -> int:
+    return 2 * len(plan.route) - 1 - plan.route.index(name)
+
+
+def test_the_same_tensor_twice_is_summed_into_a_fresh_gradient():
+    plan = sn.plan(Twice(), (2, 4), policy="liveness")
+    first_add = plan.route[1]
+    made = [b.intervals[0][0] for b in plan.buffers if b.label == "grad(fc1)"]
+    assert made == [_bwd(plan, first_add)]         # h's own gradient: the sum, made there
+
+
+def test_an_add_across_dtypes_casts_a_fresh_gradient():
+    plan = sn.plan(Twice(), (2, 4), policy="liveness")
+    last_add = plan.route[-1]
+    # the float32 output's gradient is handed to the float32 norm, cast for the bfloat16 input
+    made = sorted((b.nbytes, b.label) for b in plan.buffers
+                  if b.label.startswith("grad(") and b.label != f"grad({last_add})"
+                  and b.intervals[0][0] == _bwd(plan, last_add))
+    assert made == [(2 * 8 * 2, f"grad({plan.route[-2]})")]
