@@ -195,8 +195,8 @@ class WorkspaceFit:
         workspace gets at most W, blocks cached free included) and R + what O's requests
         reserve at most (the results always fit, where O counts them all; a workspace then
         gets at most their rounding past W, under 20 MiB a result, within the slack of any
-        budget above 1 GiB), with one small segment more. Where more than W is cached free, the cache is emptied first (only
-        its wholly free segments go back)."""
+        budget above 1 GiB), with one small segment more. Where more than W is cached free,
+        the cache is emptied first (only its wholly free segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved = _stats(self.index)
         room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(output_bytes))
