@@ -195,7 +195,7 @@ class WorkspaceFit:
         workspace gets at most W, blocks cached free included) and R + what O's requests
         reserve at most (the results always fit, where O counts them all; a workspace then
         gets at most their rounding past W, under 20 MiB a result, within the slack of any
-        budget above 1 GiB), with one small segment more. Where more than W is cached free,
+        budget above 1 GiB), with one small segment more there. Where more than W is cached free,
         the cache is emptied first (only its wholly free segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved = _stats(self.index)
@@ -203,9 +203,10 @@ class WorkspaceFit:
         if reserved - allocated > room:
             torch.cuda.empty_cache()
             allocated, reserved = _stats(self.index)
-        # and one small segment beyond either: a kernel's own small requests (at most 1 MiB,
-        # which a workspace above that never takes) may need one where the small ones are full
+        # without room, one small segment beyond the results': a kernel's own small requests
+        # (at most 1 MiB, which a workspace above that never takes) may need one where the
+        # small ones are full. With room they come out of it, so the budget bounds the limit.
         limit = max(allocated + room,
-                    reserved + sum(segment_bytes(n) for n in output_bytes)) + _SMALL_SEGMENT
+                    reserved + sum(segment_bytes(n) for n in output_bytes) + _SMALL_SEGMENT)
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         return caller
