@@ -170,3 +170,27 @@ def test_an_add_across_dtypes_casts_a_fresh_gradient():
                   if b.label.startswith("grad(") and b.label != f"grad({last_add})"
                   and b.intervals[0][0] == _bwd(plan, last_add))
     assert made == [(2 * 8 * 2, f"grad({plan.route[-2]})")]
+
+
+class Residual(nn.Module):
+    """A float32 norm, a residual add of it and a linear of it, and a head: under CPU autocast
+    the linears compute in bfloat16, the norm and the add in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.head(h + self.fc(h))
+
+
+def test_a_layer_computing_in_bfloat16_makes_its_inputs_gradient_in_bfloat16_first():
+    """Under autocast the head's backward writes the float32 add's gradient in bfloat16, then
+    casts it: both live at its step (as PyTorch's CPU memory profiler shows)."""
+    plan = sn.plan(Residual(), (2, 8), policy="liveness", autocast=torch.bfloat16,
+                   device_type="cpu")
+    at = _bwd(plan, "head")
+    made = sorted(b.nbytes for b in plan.buffers
+                  if b.label == "grad(add)" and b.intervals[0][0] == at)
+    assert made == [2 * 8 * 2, 2 * 8 * 4]

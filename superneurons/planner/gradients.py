@@ -17,6 +17,10 @@ Rule 2: a second gradient reaching a slot is added in place where the slot holds
         buffer and the slot lets go of the old (the same tensor twice, as in h + h, is summed
         out of place). An incoming fresh buffer lives only through that step.
 Rule 3: a buffer lives until no slot refers to it.
+Rule 4: a layer that computes in a narrower dtype than an input (autocast's bfloat16 linear
+        of a float32 activation) makes that input's gradient in its own dtype first, then the
+        cast: both live through its step. (Its parameters' gradients take the same detour;
+        they are not counted here, as parameter gradients are resident: scratch.py Rule 3.)
 """
 
 from ..capture import Kind, LayerGraph
@@ -26,10 +30,13 @@ from ..capture import Kind, LayerGraph
 VIEWS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "squeeze",
                    "unsqueeze", "flatten", "unflatten", "alias", "view_as", "reshape_as",
                    "contiguous"})
+# casts: their backward is the one cast back (Rule 4 is about layers that compute)
+CASTS = frozenset({"to", "_to_copy", "type", "type_as", "float", "half", "bfloat16", "double"})
 
 
 def gradient_buffers(graph: LayerGraph, timeline) -> list:
-    """(value, first step, last step) of every gradient buffer the step's backward makes."""
+    """(value, first step, last step, bytes or None for the value's own) of every gradient
+    buffer the step's backward makes."""
     return _GradientFlow(graph, timeline).run()
 
 
@@ -46,7 +53,7 @@ def _op_name(layer) -> str:
 class _GradientFlow:
     def __init__(self, graph: LayerGraph, timeline):
         self.graph, self.timeline = graph, timeline
-        self.made: list = []          # [value, first, last] per buffer
+        self.made: list = []          # [value, first, last, bytes or None: the value's]
         self.refs: list = []          # buffer -> values whose slots refer to it
         self.slot: dict = {}          # value -> (buffer, whether it holds a slice of it)
 
@@ -59,22 +66,25 @@ class _GradientFlow:
         for layer_index in reversed(by_position):
             self._backward(graph.layers[layer_index], self.timeline.bwd(layer_index))
         last_step = self.timeline.num_steps - 1
-        return [(value, first, last_step if self.refs[b] else last)
-                for b, (value, first, last) in enumerate(self.made)]
+        return [(value, first, last_step if self.refs[b] else last, nbytes)
+                for b, (value, first, last, nbytes) in enumerate(self.made)]
 
     def _backward(self, layer, step: int) -> None:
         values = self.graph.values
         held = [self.slot[v] for v in layer.outputs if v in self.slot]
         if held:                      # Rule 1; a layer no gradient reached does not run
-            handing = self._hands_on(layer)
+            handing, narrower = self._hands_on(layer), self._computes_narrower(layer)
             for value in layer.inputs:
                 if not values[value].requires_grad or values[value].producer is None:
                     continue
                 if handing(value):
                     buffer, sliced = held[0]
                     self._receive(value, buffer, sliced or layer.kind is Kind.CONCAT, step)
-                else:
-                    self._receive(value, self._new(value, step), False, step)
+                    continue
+                if narrower(value):                       # Rule 4: before the cast
+                    self.made.append([value, step, step, narrower(value)])
+                    self.refs.append(set())
+                self._receive(value, self._new(value, step), False, step)
         for value in layer.outputs:   # its producer's backward consumed the gradient
             self._let_go(value, step)
 
@@ -91,8 +101,20 @@ class _GradientFlow:
                                   and values[value].dtype == out.dtype)
         return lambda value: False
 
+    def _computes_narrower(self, layer):
+        """The bytes of an input's gradient in the layer's own narrower dtype (Rule 4), or 0."""
+        values = self.graph.values
+        if len(layer.outputs) != 1 or _op_name(layer) in CASTS:
+            return lambda value: 0
+        out = values[layer.outputs[0]]
+        if not out.dtype.is_floating_point:
+            return lambda value: 0
+        return lambda value: (values[value].nbytes // values[value].dtype.itemsize
+                              * out.dtype.itemsize
+                              if values[value].dtype.itemsize > out.dtype.itemsize else 0)
+
     def _new(self, value: int, step: int) -> int:
-        self.made.append([value, step, step])
+        self.made.append([value, step, step, None])
         self.refs.append(set())
         return len(self.made) - 1
 

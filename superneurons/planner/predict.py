@@ -115,10 +115,11 @@ def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actio
                 intervals = ((create, last_fwd), *((b, b) for b in backward))
         buffers.append(Buffer(_label(graph, s), storage.nbytes, _merge(intervals), s,
                               managed=action is Action.OFFLOAD and policy is not Policy.BASELINE))
-    for value, first, last in timeline.grad_buffers:
+    for value, first, last, nbytes in timeline.grad_buffers:
         end = last_step if policy is Policy.BASELINE else last
         buffers.append(Buffer(f"grad({graph.layers[graph.values[value].producer].name})",
-                              graph.values[value].nbytes, ((first, end),)))
+                              graph.values[value].nbytes if nbytes is None else nbytes,
+                              ((first, end),)))
     for layer in graph.layers:
         nbytes = layer.internal_saved_bytes
         if not nbytes:

@@ -16,7 +16,7 @@ class Timeline:
     create: list                       # storage -> step it is allocated
     forward_uses: list                 # storage -> forward steps reading it
     backward_uses: list                # storage -> backward steps reading it (saved for backward)
-    grad_buffers: list = field(default_factory=list)  # (value, first, last): gradients.py
+    grad_buffers: list = field(default_factory=list)  # gradients.py's (value, first, last, bytes)
     output_storages: set = field(default_factory=set)
 
     @property
