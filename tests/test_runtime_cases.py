@@ -1,5 +1,6 @@
 """The known traps, each on a small network: every policy must train exactly like PyTorch."""
 
+import copy
 import weakref
 
 import pytest
@@ -226,3 +227,24 @@ def test_a_layer_boundary_finds_the_inputs_read_last_gone(monkeypatch):
     wrapped = sn.wrap(Chain(), policy="offload")
     wrapped(torch.randn(2, 8, requires_grad=True)).sum().backward()
     assert seen == {"alive": False}
+
+
+@pytest.mark.parametrize("policy", POLICIES + ["liveness"])
+def test_a_frozen_model_trains_its_input_exactly(policy):
+    """Prompt tuning, adversarial inputs, a pipeline stage: the parameters frozen, the input
+    needs a gradient. The plan counts the gradients, and the input's gradient is plain's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+    model.requires_grad_(False)
+    plan = sn.plan(model, (torch.randn(8, 16, requires_grad=True),), policy="liveness")
+    assert any(b.label == "grad(input)" for b in plan.buffers)
+    wrapped = sn.wrap(copy.deepcopy(model), policy=policy)
+    grads = {}
+    for name, run in (("plain", model), (policy, wrapped)):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        torch.manual_seed(2)
+        for _ in range(2):
+            x.grad = None
+            run(x).pow(2).sum().backward()
+        grads[name] = x.grad
+    assert torch.equal(grads["plain"], grads[policy])

@@ -77,7 +77,8 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
         slice_losses(gm)
-    meta = [meta_like(t.detach()) if isinstance(t, torch.Tensor) else t for t in flat]
+    # with each input's requires_grad: a frozen model's input may need a gradient
+    meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
     graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
     graph.in_spec, graph.out_spec = in_spec, out_spec

@@ -16,7 +16,7 @@ Rule 2: a second gradient reaching a slot is added in place where the slot holds
         no other slot refers to and the incoming one is another; otherwise the sum is a fresh
         buffer and the slot lets go of the old (the same tensor twice, as in h + h, is summed
         out of place). An incoming fresh buffer lives only through that step.
-Rule 3: a buffer lives until no slot refers to it.
+Rule 3: a buffer lives until no slot refers to it; a model input's slot, its .grad, to the end.
 Rule 4: a layer that computes in a narrower dtype than an input (autocast's bfloat16 linear
         of a float32 activation) makes that input's gradient in its own dtype first, then the
         cast: both live through its step. (Its parameters' gradients take the same detour;
@@ -74,8 +74,8 @@ class _GradientFlow:
         held = [self.slot[v] for v in layer.outputs if v in self.slot]
         if held:                      # Rule 1; a layer no gradient reached does not run
             handing, narrower = self._hands_on(layer), self._computes_narrower(layer)
-            for value in layer.inputs:
-                if not values[value].requires_grad or values[value].producer is None:
+            for value in layer.inputs:        # a model input's lives on as its .grad
+                if not values[value].requires_grad:
                     continue
                 if handing(value):
                     buffer, sliced = held[0]

@@ -117,7 +117,9 @@ def predict_buffers(graph: LayerGraph, timeline: Timeline, policy: Policy, actio
                               managed=action is Action.OFFLOAD and policy is not Policy.BASELINE))
     for value, first, last, nbytes in timeline.grad_buffers:
         end = last_step if policy is Policy.BASELINE else last
-        buffers.append(Buffer(f"grad({graph.layers[graph.values[value].producer].name})",
+        producer = graph.values[value].producer
+        label = "input" if producer is None else graph.layers[producer].name
+        buffers.append(Buffer(f"grad({label})",
                               graph.values[value].nbytes if nbytes is None else nbytes,
                               ((first, end),)))
     for layer in graph.layers:
