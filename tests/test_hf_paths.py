@@ -194,3 +194,23 @@ def test_a_training_call_that_returns_a_cache_says_to_turn_it_off():
         wrapped(input_ids=ids, labels=ids)
     wrapped(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
+
+
+def test_soft_prompt_tuning_of_a_frozen_gpt2_matches_plain():
+    """The model frozen, the embeddings fed in and learned (prompt tuning): their gradient,
+    through dropout, is plain's."""
+    import copy
+    from today_models import build_hf_gpt2
+
+    model, _, kwargs, _ = build_hf_gpt2()
+    model.requires_grad_(False)
+    embeddings = torch.randn(*kwargs["input_ids"].shape, 32)
+    grads = []
+    for run in (model, sn.wrap(copy.deepcopy(model), policy="superneurons")):
+        prompt = embeddings.clone().requires_grad_()
+        torch.manual_seed(1)
+        for _ in range(2):
+            prompt.grad = None
+            run(inputs_embeds=prompt, use_cache=False).logits.pow(2).mean().backward()
+        grads.append(prompt.grad)
+    assert torch.equal(*grads)
