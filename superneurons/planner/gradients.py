@@ -82,8 +82,7 @@ class _GradientFlow:
                     self._receive(value, buffer, sliced or layer.kind is Kind.CONCAT, step)
                     continue
                 if narrower(value):                       # Rule 4: before the cast
-                    self.made.append([value, step, step, narrower(value)])
-                    self.refs.append(set())
+                    self._new(value, step, narrower(value))
                 self._receive(value, self._new(value, step), False, step)
         for value in layer.outputs:   # its producer's backward consumed the gradient
             self._let_go(value, step)
@@ -113,8 +112,9 @@ class _GradientFlow:
                               * out.dtype.itemsize
                               if values[value].dtype.itemsize > out.dtype.itemsize else 0)
 
-    def _new(self, value: int, step: int) -> int:
-        self.made.append([value, step, step, None])
+    def _new(self, value: int, step: int, nbytes: int | None = None) -> int:
+        """A fresh buffer for ``value``'s gradient (``nbytes``: other than the value's own)."""
+        self.made.append([value, step, step, nbytes])
         self.refs.append(set())
         return len(self.made) - 1
 
