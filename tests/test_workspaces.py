@@ -180,7 +180,7 @@ def test_a_backward_that_raised_gives_the_callers_limit_back(monkeypatch):
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
     fit._backward_begins([MiB])                     # its node raised: no hook ran
     fit._backward_begins([MiB])
-    assert workspaces._running[0][2] == 1.0          # the caller's, not the first limit
+    assert workspaces._running[0].caller == 1.0      # the caller's, not the first limit
     assert fake.fraction < 1.0
     workspaces.end_stale()
     assert fake.fraction == 1.0 and not fit.limiting

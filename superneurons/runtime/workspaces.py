@@ -23,7 +23,7 @@ them after calibration, unfitted.
 """
 
 from contextlib import contextmanager
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -86,11 +86,12 @@ class FitOutOfMemory(torch.OutOfMemoryError):
     """A convolution ran out of device memory under its workspace limit (executor Rule 9)."""
 
 
-class _Running(NamedTuple):
+@dataclass
+class _Running:
     """A backward convolution running under its limit."""
     fit: "WorkspaceFit"
     output_bytes: list
-    caller: float             # the fraction its limit replaced
+    caller: float             # the fraction its limit replaced (rebase() updates it)
 
 
 # per CUDA device index, the backward convolution running under its limit there. Kept per
@@ -113,9 +114,8 @@ def rebase(index: int, fraction: float) -> None:
     """A strict budget's hold began or ended (allocator_cap.py): a backward convolution's limit
     left on ``index`` gives back ``fraction`` now, not the one the hold replaced (a stale limit
     would otherwise restore a released hold's budget for good)."""
-    running = _running.get(index)
-    if running is not None:
-        _running[index] = running._replace(caller=fraction)
+    if index in _running:
+        _running[index].caller = fraction
 
 
 def _end(index: int) -> None:
@@ -177,9 +177,7 @@ class WorkspaceFit:
         try:
             yield
         finally:
-            now = _running.get(self.index)      # rebase() may have replaced the record
-            if now is not None and now.fit is running.fit and \
-                    now.output_bytes is running.output_bytes:
+            if _running.get(self.index) is running:
                 running.fit._limit(running.output_bytes)
 
     def _backward_begins(self, gradient_bytes: list) -> None:
