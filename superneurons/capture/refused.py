@@ -16,12 +16,12 @@ Rule 3: HF's T5 family under torch.autocast: its captured graph masks the decode
         trains bit for bit. Refused under autocast until capture takes the eager path there.
 """
 
-# HF model types sharing T5's attention with a relative position bias (Rule 3)
-_T5_FAMILY = {"t5", "mt5", "umt5", "longt5", "switch_transformers"}
-
 import contextlib
 
 from torch import nn
+
+# HF model types sharing T5's attention with a relative position bias (Rule 3)
+_T5_FAMILY = {"t5", "mt5", "umt5", "longt5", "switch_transformers"}
 
 
 def refuse_unsupported(model: nn.Module) -> None:
