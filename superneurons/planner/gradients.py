@@ -73,44 +73,38 @@ class _GradientFlow:
         values = self.graph.values
         held = [self.slot[v] for v in layer.outputs if v in self.slot]
         if held:                      # Rule 1; a layer no gradient reached does not run
-            handing, narrower = self._hands_on(layer), self._computes_narrower(layer)
             for value in layer.inputs:        # a model input's lives on as its .grad
                 if not values[value].requires_grad:
                     continue
-                if handing(value):
+                if self._handed_on(layer, value):
                     buffer, sliced = held[0]
                     self._receive(value, buffer, sliced or layer.kind is Kind.CONCAT, step)
                     continue
-                if narrower(value):                       # Rule 4: before the cast
-                    self._new(value, step, narrower(value))
+                narrower = self._narrower_bytes(layer, value)
+                if narrower:                              # Rule 4: before the cast
+                    self._new(value, step, narrower)
                 self._receive(value, self._new(value, step), False, step)
         for value in layer.outputs:   # its producer's backward consumed the gradient
             self._let_go(value, step)
 
-    def _hands_on(self, layer):
-        """Which inputs get the output's gradient buffer itself (Rule 1), as a predicate."""
-        values = self.graph.values
+    def _handed_on(self, layer, value: int) -> bool:
+        """Whether ``value`` gets the buffer of the layer's output gradient itself (Rule 1)."""
         if len(layer.outputs) != 1:
-            return lambda value: False
-        out = values[layer.outputs[0]]
+            return False
         if layer.kind is Kind.CONCAT or _op_name(layer) in VIEWS:
-            return lambda value: True
-        if layer.kind is Kind.JOIN and layer.node.kwargs.get("alpha", 1) == 1:
-            return lambda value: (values[value].shape == out.shape
-                                  and values[value].dtype == out.dtype)
-        return lambda value: False
+            return True
+        out, given = self.graph.values[layer.outputs[0]], self.graph.values[value]
+        return layer.kind is Kind.JOIN and layer.node.kwargs.get("alpha", 1) == 1 and \
+            given.shape == out.shape and given.dtype == out.dtype
 
-    def _computes_narrower(self, layer):
-        """The bytes of an input's gradient in the layer's own narrower dtype (Rule 4), or 0."""
-        values = self.graph.values
+    def _narrower_bytes(self, layer, value: int) -> int:
+        """The bytes of ``value``'s gradient in the layer's own narrower dtype (Rule 4), or 0."""
         if len(layer.outputs) != 1 or _op_name(layer) in CASTS:
-            return lambda value: 0
-        out = values[layer.outputs[0]]
-        if not out.dtype.is_floating_point:
-            return lambda value: 0
-        return lambda value: (values[value].nbytes // values[value].dtype.itemsize
-                              * out.dtype.itemsize
-                              if values[value].dtype.itemsize > out.dtype.itemsize else 0)
+            return 0
+        out, given = self.graph.values[layer.outputs[0]], self.graph.values[value]
+        if not out.dtype.is_floating_point or given.dtype.itemsize <= out.dtype.itemsize:
+            return 0
+        return given.nbytes // given.dtype.itemsize * out.dtype.itemsize
 
     def _new(self, value: int, step: int, nbytes: int | None = None) -> int:
         """A fresh buffer for ``value``'s gradient (``nbytes``: other than the value's own)."""
