@@ -192,7 +192,8 @@ def compare(models: dict, untouched: bool = False, fit=None, offload_moving: boo
             ) -> list:
     """Per model of ``models`` (name -> make()) and policy, whether training under the wrapper
     is bit for bit plain PyTorch's. ``offload_moving``: offload at its own plan's peak, where it
-    moves data (without a budget it moves none), instead of without a budget."""
+    moves data, instead of without a budget (where it moves only convolution outputs, as the
+    paper's offload does: none on a model without convolutions)."""
     rows = []
     for name, make in models.items():
         base, args, kwargs, loss_of = make()
