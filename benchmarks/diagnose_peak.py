@@ -10,6 +10,7 @@ traced. Run it under two runtimes (PYTHONPATH) to see what moved a peak.
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -64,6 +65,9 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--strict", action="store_true")
+    parser.add_argument("--stacks", default="all", choices=("all", "python"),
+                        help="python: no C++ frames (a large step's trace then fits in host "
+                             "memory; kernels' own blocks show no frames)")
     parser.add_argument("--without", action="append", default=[], choices=sorted(WITHOUT),
                         help="run with one of the runtime's rules undone, to see its effect")
     args = parser.parse_args()
@@ -72,7 +76,7 @@ def main():
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
     from common import cap_memory, make, sgd, sgd_step, write
-    from snapshot_peak import peak
+    from snapshot_peak import peak, where
     for rule in args.without:
         WITHOUT[rule]()
 
@@ -96,7 +100,7 @@ def main():
         last = step == args.steps
         if last:
             executor_module.Executor._call = timed_call
-            torch.cuda.memory._record_memory_history(max_entries=500_000)
+            torch.cuda.memory._record_memory_history(max_entries=500_000, stacks=args.stacks)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -104,6 +108,10 @@ def main():
         torch.cuda.synchronize()
         steps.append({"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                       "offloaded_bytes": wrapped.stats.offloaded_bytes})
+    budget_bytes = wrapped.budget_bytes
+    # the pool's pinned host memory goes back before the trace is read into Python
+    del wrapped, optimizer, model
+    gc.collect()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     executor_module.Executor._call = call
@@ -112,13 +120,16 @@ def main():
     trace = snapshot["device_traces"][0]
     time_us = trace[at].get("time_us") if at is not None else None
     record = {"network": args.network, "budget": args.budget,
-              "budget_bytes": wrapped.budget_bytes, "cap_gib": args.cap_gib,
+              "budget_bytes": budget_bytes, "stacks": args.stacks, "cap_gib": args.cap_gib,
               "strict_budget": args.strict, "without": args.without,
               "runtime": os.path.dirname(sn.__file__),
               "steps": steps, "allocated_when_tracing_began": base,
               "layer_at_peak": layer_at(times, time_us),
               "allocation_at_peak": described(trace[at]) if at is not None else None,
               "largest_live_at_peak": [described(event) for event in largest_live(trace, at)],
+              "events_before_peak": [] if at is None else [
+                  {"action": e["action"], "bytes": e["size"], "where": where(e.get("frames", []))}
+                  for e in trace[max(0, at - 30):at + 1]],
               **found}
     write(args.out, record)
 

@@ -183,3 +183,25 @@ def test_under_strict_budget_nothing_is_said():
     cuda = torch.device("cuda")
     assert sn.wrap(_net(), budget=ROOMY)._says_passed(cuda)
     assert not sn.wrap(_net(), budget=ROOMY, strict_budget=True)._says_passed(cuda)
+
+
+def test_a_managed_step_past_the_budget_raises_its_plans_excess_once(monkeypatch):
+    """Rule 5: the executor leaves what a managed step passed the budget by beside its pool
+    from the next step on, once per plan; a step within the budget changes nothing."""
+    device = FakeDevice(monkeypatch)
+    budget = LIVENESS + LIVENESS // 16
+    wrapped = sn.wrap(_net(), budget=budget)
+    over = LIVENESS // 8 - LIVENESS // 16           # the fake peak less the budget
+    with pytest.warns(UserWarning, match="over the budget"):
+        _train(wrapped, [0, LIVENESS // 8], device)
+    calibration = wrapped._last[1].calibration
+    raised = calibration.excess_bytes
+    assert raised == (calibration.seen_excess or 0) + calibration.slack
+    assert calibration.raised and calibration.seen_excess >= over
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _train(wrapped, [LIVENESS // 4], device)    # passed again: not raised twice
+    assert calibration.excess_bytes == raised
+    fresh = sn.wrap(_net(), budget=budget)
+    _train(fresh, [0, 0], device)
+    assert not fresh._last[1].calibration.raised

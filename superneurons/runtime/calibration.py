@@ -2,7 +2,8 @@
 
 The plan counts tensors; the device also holds the allocator's rounding and cuDNN's workspaces.
 The first steps of a plan read the allocator at layer boundaries and learn the largest excess;
-later steps leave that much room beside the pool at every step.
+later steps leave that much room beside the pool at every step, and more once a step passed
+the budget between readings (passed()).
 
 Only boundaries are read. The allocator's high-water mark between readings also sees autograd's
 kernels, but mostly it sees cuDNN's workspaces, which take what the memory cap leaves and
@@ -45,6 +46,7 @@ class Calibration:
         self.left = CALIBRATION_STEPS
         self.active = False
         self.seconds = 0.0          # host time spent reading (StepStats)
+        self.raised = False         # a step past the budget raised the excess (passed())
 
     def begin_step(self) -> bool:
         """Whether this step reads the allocator; the excess seen so far applies from now."""
@@ -57,6 +59,16 @@ class Calibration:
     def again(self) -> None:
         """An out-of-memory retry: the next steps read the allocator again."""
         self.left = CALIBRATION_STEPS
+
+    def passed(self, overshoot: int) -> None:
+        """A step peaked ``overshoot`` bytes past the budget, between readings (untouched.py
+        Rule 5): later steps add that much to the excess. Once: where the plan is at its floor
+        a larger excess makes no room, it only moves more."""
+        if self.raised:
+            return
+        self.raised = True
+        self.seen_excess = (self.seen_excess or 0) + overshoot
+        self.excess_bytes = self.seen_excess + self.slack
 
     def outside(self, planned: int) -> int:
         """Real use outside the pool where the plan says ``planned``."""

@@ -455,8 +455,9 @@ class SuperNeuronsModule(nn.Module):
                  "budget, memory it holds free included)" if self.strict_budget else
                  "lower the budget or the batch, or set "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")) from error
-        if self._says_passed(device):                                # untouched.py Rule 4
-            self._untouched.watch(key, out, device, None, self.budget_bytes)
+        if self._says_passed(device):                           # untouched.py Rules 4, 5
+            self._untouched.watch(key, out, device, None, self.budget_bytes,
+                                  passed=executor.calibration.passed)
         return out
 
     def _says_passed(self, device: torch.device) -> bool:
