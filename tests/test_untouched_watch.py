@@ -198,6 +198,7 @@ def test_a_managed_step_past_the_budget_raises_its_plans_excess_once(monkeypatch
     raised = calibration.excess_bytes
     assert raised == (calibration.seen_excess or 0) + calibration.slack
     assert calibration.raised and calibration.seen_excess >= over
+    assert calibration.left > 0                     # the next steps read the allocator again
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _train(wrapped, [LIVENESS // 4], device)    # passed again: not raised twice

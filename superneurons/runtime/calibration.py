@@ -62,13 +62,15 @@ class Calibration:
 
     def passed(self, overshoot: int) -> None:
         """A step peaked ``overshoot`` bytes past the budget, between readings (untouched.py
-        Rule 5): later steps add that much to the excess. Once: where the plan is at its floor
-        a larger excess makes no room, it only moves more."""
+        Rule 5): later steps add that much to the excess, and the next ones read the allocator
+        again (their convolutions' workspaces are fitted again: executor Rule 9). Once: where
+        the plan is at its floor a larger excess makes no room, it only moves more."""
         if self.raised:
             return
         self.raised = True
         self.seen_excess = (self.seen_excess or 0) + overshoot
         self.excess_bytes = self.seen_excess + self.slack
+        self.again()
 
     def outside(self, planned: int) -> int:
         """Real use outside the pool where the plan says ``planned``."""
