@@ -385,3 +385,44 @@ def test_the_untouched_path_reads_nothing_off_cuda_or_without_a_budget(monkeypat
         for _ in range(2):
             step(wrapped, 2)
     assert not calls
+
+
+def test_a_region_whose_copy_may_still_run_is_reused_behind_a_fence_not_a_host_wait(monkeypatch):
+    """host.py Rule 4: with a fence, a region released while its host-to-device copy may run
+    is reused at once, and copies into regions handed out after wait for the fence's event
+    until it completes; without one, the host waits for the copy."""
+    real_empty = torch.empty
+    monkeypatch.setattr(host.torch, "empty", lambda *args, pin_memory=False, **kwargs:
+                        real_empty(*args, **kwargs))             # "pinned" on the CPU
+
+    class Copy:
+        def __init__(self):
+            self.done = self.waited = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+    fences = []
+
+    def fence():
+        fences.append(Copy())
+        return fences[-1]
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096, fence=fence)
+    regions = [memory.alloc(1000) for _ in range(4)]            # the chunk is full
+    assert memory.writes_after() is None
+    reading = Copy()
+    memory.release(regions[0], reading)                          # its copy still runs
+    again = memory.alloc(1000)
+    assert again.data_ptr() == regions[0].data_ptr() and memory.capacity == 4096
+    assert not reading.waited and len(fences) == 1
+    assert memory.writes_after() is fences[0]
+    fences[0].done = True
+    assert memory.writes_after() is None
+    waiting = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    regions = [waiting.alloc(1000) for _ in range(4)]
+    reading = Copy()
+    waiting.release(regions[0], reading)
+    waiting.alloc(1000)
+    assert reading.waited and waiting.writes_after() is None

@@ -208,7 +208,7 @@ class _SlowCopies:
     def __init__(self):
         self.events = []
 
-    def to_host(self, device_bytes, host_bytes):
+    def to_host(self, device_bytes, host_bytes, after=None):
         host_bytes.copy_(device_bytes)
         event = _Event()
         self.events.append(event)

@@ -242,9 +242,10 @@ def test_on_cuda_a_managed_steps_convolutions_stay_within_the_budget(monkeypatch
             optimizer.step()
             peaks[fit].append(torch.cuda.max_memory_allocated())
             losses[fit].append(loss.item())
-        assert wrapped._last[1] is not None
-        # a step past the budget (unfitted) calibrates again (untouched.py Rule 5)
-        assert not (fit and wrapped._last[1].calibrating)
+        calibration = wrapped._last[1].calibration
+        # calibrating again follows only a step past the budget (untouched.py Rule 5): the
+        # unfitted run's, or the loss's own bytes beside a fitted step
+        assert not wrapped._last[1].calibrating or calibration.raised
         assert torch.cuda.get_per_process_memory_fraction(0) == caller
         del model, wrapped, optimizer
     # the loss's own tensors, outside the model and the budget's others, are the test's

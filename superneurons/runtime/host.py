@@ -14,7 +14,12 @@ Rule 3: where the system will not pin a chunk, a smaller one is tried, down to t
         (Inception-v4's offloads at batch 400 could not all be pinned on a 128 GiB machine:
         benchmarks/results/diagnose_inception_v4_1_before.json).
 Rule 4: a region whose host-to-device copy may still be running is reused only once that copy
-        has finished.
+        has finished. With a fence (on CUDA, the mover's), the host does not wait for it: the
+        copy into a region handed out after such regions were taken back waits, on the device,
+        for every host-to-device copy queued before (one stream carries them, in order). The
+        host waited at every offload that found no free region (cudaEventSynchronize, 13-21 ms
+        of a 160-310 ms step, benchmarks/results/profile_ratio.json), and a host that waits
+        for the device leaves it idle once it runs again.
 Rule 5: a closed store gives its chunks back: at once those no region is carved from, with their
         pinned pages returned to the system (PyTorch's pinned allocator would keep them cached,
         page-locked, for the life of the process); the others when their last region returns (a
@@ -72,11 +77,13 @@ class _Chunk:
                 return self.buffer[offset:offset + num_bytes]
         return None
 
-    def reclaim(self) -> bool:
-        """Rule 4: wait for the deferred regions' copies and free them; whether there were any."""
+    def reclaim(self, wait: bool = True) -> bool:
+        """Rule 4: free the deferred regions, after their copies when ``wait``; whether there
+        were any."""
         deferred, self.deferred = self.deferred, []
         for offset, size, event in deferred:
-            event.synchronize()
+            if wait:
+                event.synchronize()
             self.insert(offset, size)
         return bool(deferred)
 
@@ -93,9 +100,13 @@ class _Chunk:
 
 
 class HostMemory:
-    def __init__(self, pin: bool, first_chunk_bytes: int = FIRST_CHUNK_BYTES):
+    def __init__(self, pin: bool, first_chunk_bytes: int = FIRST_CHUNK_BYTES, fence=None):
+        """``fence``: a callable returning an event after every host-to-device copy queued so
+        far, or None (Rule 4)."""
         self.pin = pin
         self.first_chunk_bytes = first_chunk_bytes
+        self.fence = fence
+        self._after = None                   # Rule 4: what copies into regions now wait for
         self.chunks: dict = {}               # data_ptr of a chunk's storage -> _Chunk
         self.closed = False
         self.taking_seconds = 0.0            # host time spent taking chunks (StepStats)
@@ -121,9 +132,18 @@ class HostMemory:
                 if region is not None:
                     return region
             # every chunk reclaims (a list, not any()'s short circuit)
-            if attempt == 0 and not any([c.reclaim() for c in self.chunks.values()]):
+            wait = self.fence is None
+            if attempt == 0 and not any([c.reclaim(wait) for c in self.chunks.values()]):
                 break
+            if not wait:
+                self._after = self.fence()
         return self._grow(size).carve(size, num_bytes)
+
+    def writes_after(self):
+        """Rule 4: the event a copy into a region alloc() handed out must wait for, or None."""
+        if self._after is not None and self._after.query():
+            self._after = None
+        return self._after
 
     def release(self, region: torch.Tensor, event=None) -> None:
         chunk = self.chunks[region.untyped_storage().data_ptr()]

@@ -27,13 +27,16 @@ class Mover:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
 
-    def to_host(self, device_bytes: torch.Tensor, host_bytes: torch.Tensor):
-        """Start copying ``device_bytes`` into ``host_bytes``; returns an event or None. Keep
-        ``device_bytes`` until the event has completed (Rule 1)."""
+    def to_host(self, device_bytes: torch.Tensor, host_bytes: torch.Tensor, after=None):
+        """Start copying ``device_bytes`` into ``host_bytes`` once the event ``after`` (if
+        any) has completed; returns an event or None. Keep ``device_bytes`` until the event has
+        completed (Rule 1)."""
         if not self.cuda:
             host_bytes.copy_(device_bytes)
             return None
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))      # Rule 1
+        if after is not None:
+            self.d2h.wait_event(after)
         with torch.cuda.stream(self.d2h):
             host_bytes.copy_(device_bytes, non_blocking=True)
             event = torch.cuda.Event()
@@ -54,6 +57,12 @@ class Mover:
             event.record(self.h2d)
         device_bytes.record_stream(self.h2d)    # freed unread (released early): wait for the copy
         return device_bytes, event
+
+    def copies_in(self):
+        """An event after every host-to-device copy queued so far (host.py Rule 4's fence)."""
+        event = torch.cuda.Event()
+        event.record(self.h2d)
+        return event
 
     def reuse_after(self, event) -> None:
         """Let the device bytes an offload reads be freed now (Rule 3)."""

@@ -70,7 +70,8 @@ class Entry:
 class TensorPool:
     def __init__(self, device: torch.device, allowance):
         self.mover = Mover(device)
-        self.host_memory = HostMemory(pin=self.mover.cuda)
+        self.host_memory = HostMemory(pin=self.mover.cuda,
+                                      fence=self.mover.copies_in if self.mover.cuda else None)
         self.allowance = allowance               # step -> bytes the pool may hold on the device
         self.entries: dict = {}                  # key -> Entry
         self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
@@ -160,7 +161,8 @@ class TensorPool:
         """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
         if entry.host is None:
             entry.host = self.host_memory.alloc(entry.nbytes)
-            entry.event = self.mover.to_host(entry.device, entry.host)
+            entry.event = self.mover.to_host(entry.device, entry.host,
+                                             self.host_memory.writes_after())
             self.offloaded_bytes += entry.nbytes
         else:   # the host copy is still valid: saved tensors are not written after saving
             entry.event = None
