@@ -65,8 +65,8 @@ class Calibration:
         Rule 5): later steps add that much to the excess, and the next ones read the allocator
         again (their convolutions' workspaces are fitted again: executor Rule 9). Once: where
         the plan is at its floor a larger excess makes no room, it only moves more."""
-        if self.raised:
-            return
+        if self.raised or self.active or self.excess_bytes is None:
+            return     # a first or calibrating step made its room by other rules than later ones
         self.raised = True
         self.seen_excess = (self.seen_excess or 0) + overshoot
         self.excess_bytes = self.seen_excess + self.slack

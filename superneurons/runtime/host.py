@@ -132,8 +132,10 @@ class HostMemory:
                 if region is not None:
                     return region
             # every chunk reclaims (a list, not any()'s short circuit)
+            if attempt == 1:
+                break
             wait = self.fence is None
-            if attempt == 0 and not any([c.reclaim(wait) for c in self.chunks.values()]):
+            if not any([c.reclaim(wait) for c in self.chunks.values()]):
                 break
             if not wait:
                 self._after = self.fence()

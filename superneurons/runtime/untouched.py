@@ -28,8 +28,8 @@ Rule 4: every step with a budget on CUDA is read, managed or untouched, whatever
         loss computed outside the model) may take the device past the budget. The step runs
         on. Under strict_budget nothing is said: the allocator refuses past the budget inside
         the wrapped step, and what passes it is outside (the caller's loss).
-Rule 5: a managed step past the budget also tells its executor by how much, once per plan
-        (executor Rule 4): the readings at layer boundaries missed that much real use between
+Rule 5: a managed step past the budget also tells its executor by how much, once per plan,
+        from a step that trusted its calibration (executor Rule 4): the readings at layer boundaries missed that much real use between
         them, which a step later than the calibrating ones can meet (ResNet-101 at batch 896
         passed by 120 MiB in its third step, claims_0495cd2.json, not in its second).
 """
@@ -79,7 +79,7 @@ def peak_allocated_bytes(device: torch.device) -> int | None:
 
 class UntouchedWatch:
     """Per call key, its managed warm-up, what its untouched steps really used beyond the
-    plan, and whether a step passed the budget (Rules 1-4)."""
+    plan, and whether a step passed the budget (Rules 1-5)."""
 
     def __init__(self):
         self.warmups: dict = {}      # key -> managed steps run while liveness fit (Rule 1)
