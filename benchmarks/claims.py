@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # (name, network, batch, resnet stage-3 blocks or None): the README's largest batches. VGG16,
 # AlexNet and DenseNet-201 are the largest whose plans fit beside momentum and the executor's
-# slack (claim_batches.py,
-# results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
+# slack (claim_batches.py, results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
 # (results/claims_zoo.json), below what their plans allow.
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
           ("resnet152_869", "resnet152", 869, None), ("densenet201_783", "densenet201", 783, None),

@@ -210,6 +210,7 @@ class _SlowCopies:
 
     def to_host(self, device_bytes, host_bytes, after=None):
         host_bytes.copy_(device_bytes)
+        self.after = after
         event = _Event()
         self.events.append(event)
         return event
@@ -251,6 +252,18 @@ def test_offloads_in_flight_hold_their_bytes_until_copied():
     room["bytes"] = 0
     pool.make_room(step=4, forward=True)           # c leaves; its copy not done and room 0
     assert pool.mover.events[2].ordered and pool.device_bytes == 0
+
+
+def test_an_offload_copies_behind_the_host_memorys_fence():
+    """host.py Rule 4: the copy into a region waits for what the host store says writes into
+    its regions wait for, read after the region is handed out."""
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: 0)
+    pool.mover = _SlowCopies()
+    fence = _Event()
+    pool.host_memory.writes_after = lambda: fence
+    pool.add("a", torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+    pool.make_room(step=1, forward=True)
+    assert pool.mover.after is fence
 
 
 def test_copies_start_ahead_of_the_room_that_needs_them():

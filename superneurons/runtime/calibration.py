@@ -41,7 +41,8 @@ class Calibration:
         self.device = device
         self.slack = int(budget_bytes * SLACK_SHARE)
         self.excess_bytes = None    # what every step adds to the plan, once calibrated
-        self.seen_excess = None     # the largest excess the readings found
+        self.seen_excess = None     # the largest excess the readings found, plus a pass's
+                                    # overshoot (passed())
         self.seen_at = None         # the timeline step of that reading, where it is above 0
         self.left = CALIBRATION_STEPS
         self.active = False

@@ -18,9 +18,9 @@ Rule 4: on CUDA the pool's room also leaves the excess of real use over the plan
         budget_margin.json). Later steps trust the calibration (a reading costs host time
         comparable to a small layer's kernels: profile_before.json), until an out-of-memory
         retry calls for calibrating again; a step whose peak passed the budget between the
-        readings adds what it passed to the excess, once (untouched.py Rule 5). Before the first calibration, and always where the
-        allocator keeps no statistics (no caching allocator), real use is taken as
-        FIRST_STEP_MARGIN times the plan.
+        readings adds what it passed to the excess, once (untouched.py Rule 5). Before the
+        first calibration, and always where the allocator keeps no statistics (no caching
+        allocator), real use is taken as FIRST_STEP_MARGIN times the plan.
 Rule 5: a layer that runs out of device memory gets one retry after everything that may leave
         the device has left; a second failure is the caller's clear error. In backward the same
         holds for bringing a saved tensor back (a fetch or a replay); autograd's own kernels

@@ -456,8 +456,9 @@ class SuperNeuronsModule(nn.Module):
                  "lower the budget or the batch, or set "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")) from error
         if self._says_passed(device):                           # untouched.py Rules 4, 5
+            calibration = executor.calibration     # raised once: nothing more to tell it
             self._untouched.watch(key, out, device, None, self.budget_bytes,
-                                  passed=executor.calibration.passed)
+                                  passed=None if calibration.raised else calibration.passed)
         return out
 
     def _says_passed(self, device: torch.device) -> bool:

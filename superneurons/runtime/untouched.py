@@ -29,9 +29,10 @@ Rule 4: every step with a budget on CUDA is read, managed or untouched, whatever
         on. Under strict_budget nothing is said: the allocator refuses past the budget inside
         the wrapped step, and what passes it is outside (the caller's loss).
 Rule 5: a managed step past the budget also tells its executor by how much, once per plan,
-        from a step that trusted its calibration (executor Rule 4): the readings at layer boundaries missed that much real use between
-        them, which a step later than the calibrating ones can meet (ResNet-101 at batch 896
-        passed by 120 MiB in its third step, claims_0495cd2.json, not in its second).
+        from a step that trusted its calibration (executor Rule 4): the readings at layer
+        boundaries missed that much real use between them, which a step later than the
+        calibrating ones can meet (ResNet-101 at batch 896 passed by 120 MiB in its third
+        step, claims_0495cd2.json, not in its second).
 """
 
 import warnings
