@@ -4,7 +4,7 @@ with momentum (optimizer state allocated from the second step) in a fresh proces
 bytes moved, and whether the peak held the budget (a claim trains when its 3 steps ran within
 the cap; cuDNN's workspaces may take what the cap leaves above the budget).
 
-    python benchmarks/claims.py OUT_DIR [--parallel N] [--only NAME ...] [--rounds R] [--extra NETWORK:BATCH ...]
+    python benchmarks/claims.py OUT_DIR [--parallel N] [--only NAME ...] [--rounds R] [--steps S] [--extra NETWORK:BATCH ...]
 
 Writes OUT_DIR/claims.json. With --parallel the claims run N processes at a time on the one
 GPU, each capped at 12 GiB (their pinned host memory adds up: 4 at a time ran the 125 GiB
@@ -88,9 +88,9 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     return row
 
 
-def run_in_child(claim, round_index: int) -> dict:
+def run_in_child(claim, round_index: int, steps: int) -> dict:
     name, network, batch, n3 = claim
-    command = [sys.executable, __file__, "--child", network, str(batch), str(n3)]
+    command = [sys.executable, __file__, "--child", network, str(batch), str(n3), str(steps)]
     began = time.time()
     done = subprocess.run(command, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -106,13 +106,15 @@ def run_in_child(claim, round_index: int) -> dict:
 
 def main():
     if sys.argv[1] == "--child":
-        network, batch, n3 = sys.argv[2], int(sys.argv[3]), sys.argv[4]
-        print(json.dumps(one(network, batch, None if n3 == "None" else int(n3))), flush=True)
+        network, batch, n3, steps = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        print(json.dumps(one(network, batch, None if n3 == "None" else int(n3), steps)),
+              flush=True)
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--extra", nargs="*", default=[], metavar="NETWORK:BATCH",
                         help="more claims to try, e.g. inception_v4:450")
@@ -126,11 +128,11 @@ def main():
     rows = []
     path = os.path.join(args.out, "claims.json")
     with ThreadPoolExecutor(args.parallel) as pool:
-        for row in pool.map(lambda job: run_in_child(*job), jobs):
+        for row in pool.map(lambda job: run_in_child(*job, args.steps), jobs):
             rows.append(row)
-            write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": STEPS,
+            write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": args.steps,
                          "parallel": args.parallel, "results": rows}, quiet=True)
-    write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": STEPS,
+    write(path, {"cap_gib": CAP_GIB, "budget_gib": BUDGET_GIB, "steps": args.steps,
                  "parallel": args.parallel, "results": rows})
     print_summary(rows)
 
@@ -147,7 +149,8 @@ def print_summary(rows: list) -> None:
                       f"{steps[0]['seconds']:.1f}" if steps else "",
                       ", ".join(f"{s['seconds']:.1f}" for s in steps[1:]),
                       f"{peak:.2f}" if steps else "", row.get("error", "")[:28]])
-    print_table(f"{STEPS} SGD steps in a {CAP_GIB:g} GiB cap, budget {BUDGET_GIB:g} GiB",
+    steps = max((len(row.get("steps", [])) for row in rows), default=STEPS)
+    print_table(f"{steps} SGD steps in a {CAP_GIB:g} GiB cap, budget {BUDGET_GIB:g} GiB",
                 ["claim", "round", "trains", "budget held", "first s", "later s",
                  "peak GiB", "error"], table)
 

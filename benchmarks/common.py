@@ -98,7 +98,10 @@ def calibration_of(wrapped) -> dict:
     if executor is None:
         return {}
     row = {"excess_bytes": executor.excess_bytes, "seen_excess_bytes": executor.seen_excess,
-           "foreign_bytes": executor.foreign_bytes}
+           "foreign_bytes": executor.foreign_bytes,
+           # whether the step read the allocator, or trusted its calibration; and whether a
+           # step past the budget raised the excess (calibration.py)
+           "calibrating": executor.calibration.active, "raised": executor.calibration.raised}
     step = executor.calibration.seen_at
     if step is not None:            # where the largest excess was read: a forward or backward step
         order, n = executor.plan.order, executor.num_layers

@@ -1,5 +1,5 @@
-"""Convolution workspaces fitted to the budget while a plan calibrates (runtime/workspaces.py,
-executor Rule 9)."""
+"""Convolution workspaces fitted to the budget at every step (runtime/workspaces.py, executor
+Rule 9)."""
 
 import pytest
 import torch
@@ -214,8 +214,8 @@ def test_off_cuda_no_workspace_is_fitted():
 @needs_cuda
 def test_on_cuda_a_managed_steps_convolutions_stay_within_the_budget(monkeypatch):
     """Without fitting, cuDNN's engines take workspaces from what the device allows and the
-    step passes a budget its tensors fit; fitted while the plan calibrates, every step stays
-    within, the steps after calibration included. The unfitted run goes first, so the fitted
+    step passes a budget its tensors fit; fitted, every step stays within, the steps after
+    calibration included. The unfitted run goes first, so the fitted
     one also drops engines cuDNN kept with workspaces too large."""
     x = torch.randn(64, 64, 56, 56, device="cuda")
     y = torch.randint(0, 10, (64,), device="cuda")
@@ -275,22 +275,35 @@ def test_a_forward_inside_a_backward_leaves_the_running_convolutions_limit(monke
     assert kept == [True] and fake.fraction == 1.0
 
 
-def _calibrating_executor(monkeypatch):
-    """A managed CPU executor made to fit as a calibrating CUDA one would, on a fake
-    allocator: the CPU runs the executor's Rule 9 paths."""
+def _fitting_executor(monkeypatch, calibrating: bool = True):
+    """A managed CPU executor made to fit as a CUDA one would, on a fake allocator: the CPU
+    runs the executor's Rule 9 paths."""
     model, wrapped, executor, x = _managed_on_cpu()
     fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
     monkeypatch.setattr(workspaces, "_running", {})
     executor.workspaces = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
-    executor.calibrating = True
+    executor.calibrating = calibrating
     monkeypatch.setattr(executor.calibration, "read", lambda: 0)     # no CUDA statistics
     return model, wrapped, executor, fake, x
+
+
+def test_a_step_that_trusts_its_calibration_fits_its_convolutions_once_one_passed(monkeypatch):
+    """Fitted only while calibrating, later steps of ResNet-101 at batch 896 passed the
+    budget (executor Rule 9): after a pass every step is fitted; before, a trusting step runs
+    the engines kept, at no cost."""
+    model, wrapped, executor, fake, x = _fitting_executor(monkeypatch, calibrating=False)
+    convs = sum(isinstance(m, nn.Conv2d) for m in model)
+    wrapped(x).sum().backward()
+    assert fake.limits == []
+    executor.calibration.raised = True
+    wrapped(x).sum().backward()
+    assert len(fake.limits) > 2 * convs and fake.fraction == 1.0    # forward and backward
 
 
 def test_a_convolution_modules_backward_counts_its_parameters_gradients(monkeypatch):
     """nn.Conv2d is called with its input alone: its weight's and bias's gradients are counted
     all the same."""
-    model, wrapped, executor, fake, x = _calibrating_executor(monkeypatch)
+    model, wrapped, executor, fake, x = _fitting_executor(monkeypatch)
     given = []
     through = WorkspaceFit.through_backward
 
@@ -311,7 +324,7 @@ def test_a_convolution_modules_backward_counts_its_parameters_gradients(monkeypa
 def test_a_convolution_out_of_memory_under_its_limit_runs_again_unfitted(monkeypatch):
     """Rule 5's retry, without the limit, and without calibrating again: the limit failed,
     not the plan."""
-    model, wrapped, executor, fake, x = _calibrating_executor(monkeypatch)
+    model, wrapped, executor, fake, x = _fitting_executor(monkeypatch)
     calls = []
 
     def fitted_that_fails(self, output_bytes):

@@ -63,9 +63,9 @@ class Calibration:
 
     def passed(self, overshoot: int) -> None:
         """A step peaked ``overshoot`` bytes past the budget, between readings (untouched.py
-        Rule 5): later steps add that much to the excess, and the next ones read the allocator
-        again (their convolutions' workspaces are fitted again: executor Rule 9). Once: where
-        the plan is at its floor a larger excess makes no room, it only moves more."""
+        Rule 5): later steps add that much to the excess, the next ones read the allocator
+        again, and every later one fits its convolutions' workspaces (executor Rule 9). Once:
+        where the plan is at its floor a larger excess makes no room, it only moves more."""
         if self.raised or self.active or self.excess_bytes is None:
             return     # a first or calibrating step made its room by other rules than later ones
         self.raised = True
