@@ -190,7 +190,6 @@ def test_a_closed_host_store_gives_back_chunks_once_their_regions_return(monkeyp
                         real_empty(*args, **kwargs))             # "pinned" on the CPU
     returned = []
     monkeypatch.setattr(host, "_return_pinned_pages", lambda: returned.append(True))
-    monkeypatch.setattr(host, "maps_itself", lambda: False)     # PyTorch's pinned allocator
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
     regions = [memory.alloc(1000) for _ in range(5)]         # two chunks: 4096 and 4096
     assert memory.capacity == memory.pinned_bytes == 8192

@@ -398,7 +398,6 @@ def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):
             return real_empty(*args, **kwargs)      # pinned or not: the same on the CPU
         return empty
     monkeypatch.setattr(host.torch, "empty", pin_at_most(1 << 20))
-    monkeypatch.setattr(host, "maps_itself", lambda: False)     # PyTorch's pinned allocator
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
     regions = [memory.alloc(1000) for _ in range(4)]       # 1024 bytes each with alignment
     assert pinned == [4096] and memory.capacity == 4096     # one chunk held all four

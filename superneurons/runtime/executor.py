@@ -48,13 +48,13 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         engines PyTorch chooses and keeps have workspaces that fit (workspaces.py): they would
         otherwise take what the device allows. The engines kept while calibrating were not
         always enough: later steps of ResNet-101 at batch 896 passed the budget by 120 MiB in
-        4 of 8 steps, their excess raised, and held in 5 of 5 fitted
-        (claims_resnet101_896_8_steps.json, ab_calibration_resnet101_896.json). Fitted at
-        every step from the first, the steps of DenseNet-201 at 783 took 3.3 s, not 1.8-2.0
-        (claims_fit_every_step.json): a limit returns the allocator's cached blocks. A forward
-        or replayed one that runs out of memory under its limit is retried without it (Rule
-        5's retry), and the calibration is not made again for it: the limit failed, not the
-        plan. A backward one's out-of-memory is autograd's, beyond reach (Rule 5).
+        4 of 8 steps, and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
+        ab_calibration_resnet101_896.json). Not at every step from the first: a fitted step of
+        DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines kept 2.0
+        (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed one that runs
+        out of memory under its limit is retried without it (Rule 5's retry), and the
+        calibration is not made again for it: the limit failed, not the plan. A backward
+        one's out-of-memory is autograd's, beyond reach (Rule 5).
 """
 
 import logging

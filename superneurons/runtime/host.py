@@ -20,23 +20,20 @@ Rule 4: a region whose host-to-device copy may still be running is reused only o
         host waited at every offload that found no free region (cudaEventSynchronize, 13-21 ms
         of a 160-310 ms step, benchmarks/results/profile_ratio.json), and a host that waits
         for the device leaves it idle once it runs again.
-Rule 5: a closed store gives its chunks back: at once those no region is carved from, the
-        others when their last region returns (a handle of a step in flight still reads it).
-        A chunk mapped here (Rule 6) returns its pages to the system when the last tensor on it
-        goes. One from PyTorch's pinned allocator would stay cached there, page-locked, for the
-        life of the process: its cache is emptied when such a chunk is dropped, the user's
-        unused blocks (a DataLoader's) included, which are pinned again when next asked for.
-        A store is closed when its plan is dropped (module.py Rule 5), rarely: a new plan
-        captures again, which costs more than pinning again.
-Rule 6: on CUDA, chunks are mapped here in 2 MiB pages and registered (pinned.py): 16.9 GiB/s
-        against 8.4 for PyTorch's pinned allocator at its fastest setting. Where they cannot
-        be (no anonymous mappings), PyTorch's allocator pins them, first set to map the pages
-        on PINNING_THREADS threads and then register them (pinned_use_cuda_host_register),
-        unless the user set any pinned option: by cudaHostAlloc it pins 1.85 GiB/s, so a first
-        step pinning 65 GiB spent half a minute there; registering pins 7.1 GiB/s with 8
-        threads set at run time and 8.8 with 16 (benchmarks/results/pinning.json). That
-        setting is the process's: the user's own pinned tensors (a DataLoader's) pin faster
-        too.
+Rule 5: a closed store gives its chunks back: at once those no region is carved from, with their
+        pinned pages returned to the system (PyTorch's pinned allocator would keep them cached,
+        page-locked, for the life of the process); the others when their last region returns (a
+        handle of a step in flight still reads it), to PyTorch's pinned allocator. A store is
+        closed when its plan is dropped (module.py Rule 5), rarely: a new plan captures again,
+        which costs more than pinning again. Returning pages empties PyTorch's whole pinned
+        cache, the user's unused blocks (a DataLoader's) included: they are pinned again when
+        next asked for.
+Rule 6: before its first pinned chunk the store has PyTorch map the pages on PINNING_THREADS
+        threads and then register them (pinned_use_cuda_host_register), unless the user set
+        any pinned option: cudaHostAlloc pins 1.85 GiB/s on the H200's host, so a first step
+        pinning 65 GiB spent half a minute there; registering pins 7.1 GiB/s with 8 threads set
+        at run time and 8.8 with 16 (benchmarks/results/pinning.json). The setting is the
+        process's: the user's own pinned tensors (a DataLoader's) pin faster too.
 """
 
 import logging
@@ -47,7 +44,6 @@ import warnings
 import torch
 
 from ..units import format_bytes
-from .pinned import mapped_pinned, maps_itself
 
 log = logging.getLogger(__name__)   # INFO: pinning a chunk takes seconds; the CLI shows it
 
@@ -59,11 +55,10 @@ MAX_CHUNK_BYTES = 8 << 30
 
 
 class _Chunk:
-    __slots__ = ("buffer", "pinned", "cached", "free", "deferred")
+    __slots__ = ("buffer", "pinned", "free", "deferred")
 
-    def __init__(self, buffer: torch.Tensor, pinned: bool, cached: bool = False):
-        # cached: from PyTorch's pinned allocator, which keeps its pages (Rule 5)
-        self.buffer, self.pinned, self.cached = buffer, pinned, cached
+    def __init__(self, buffer: torch.Tensor, pinned: bool):
+        self.buffer, self.pinned = buffer, pinned
         self.free = [(0, buffer.numel())]    # (offset, size), sorted by offset
         self.deferred = []                   # (offset, size, event): free once event completes
 
@@ -163,8 +158,8 @@ class HostMemory:
                 return
         chunk.insert(offset, size)
         if self.closed and chunk.unused:
-            # the caller still holds the region: the pages go when it lets go, to PyTorch's
-            # pinned allocator where they came from it (Rule 5)
+            # the caller still holds the region: the pages go back to PyTorch's pinned
+            # allocator when it lets go, not to the system (Rule 5)
             del self.chunks[region.untyped_storage().data_ptr()]
 
     def close(self) -> None:
@@ -173,8 +168,8 @@ class HostMemory:
         # comprehensions, not loops: a loop variable would keep the last chunk's pages alive
         [chunk.reclaim() for chunk in self.chunks.values()]
         unused = [key for key, chunk in self.chunks.items() if chunk.unused]
-        cached = [self.chunks.pop(key).cached for key in unused]
-        if any(cached):
+        pinned = [self.chunks.pop(key).pinned for key in unused]
+        if any(pinned):
             _return_pinned_pages()
 
     def _grow(self, size: int) -> _Chunk:
@@ -184,20 +179,18 @@ class HostMemory:
         buffer, pinned = None, self.pin
         log.info("taking %s of %s host memory for offloads (%s held)", format_bytes(want),
                  "pinned" if self.pin else "pageable", format_bytes(self.capacity))
-        mapping = self.pin and maps_itself()                                 # Rule 6
-        if self.pin and not mapping:
+        if self.pin:
             _pin_with_threads()
         while self.pin and want >= size:
             try:
-                buffer = mapped_pinned(want) if mapping else \
-                    torch.empty(want, dtype=torch.uint8, pin_memory=True)
+                buffer = torch.empty(want, dtype=torch.uint8, pin_memory=True)
                 break
             except RuntimeError:                                             # Rule 3
                 want //= 2
         if buffer is None:
             self.pin = pinned = False
             buffer = _pageable(max(want, size), size, self.capacity)
-        chunk = _Chunk(buffer, pinned, cached=pinned and not mapping)
+        chunk = _Chunk(buffer, pinned)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         self.taking_seconds += time.perf_counter() - began
         return chunk
