@@ -19,6 +19,7 @@ Rule 2: what export cannot represent exactly is refused before a step runs: modu
 import builtins
 import contextlib
 import os
+import random
 import re
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from .export_said import said_by_export
 from .hf import exported_as_called
 from .refused import reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported
 
@@ -116,10 +118,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
-    reentrant = []
+    reentrant, assigned = [], []
+    drawn_before = _host_random_state()
     try:
         with _state_on(model, device, mode), reentrant_checkpoints_refused(reentrant), \
-                exported_as_called(model, args, kwargs, packed_positions):
+                exported_as_called(model, args, kwargs, packed_positions), \
+                said_by_export(assigned):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         if reentrant:
@@ -135,7 +139,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "reads tensor values (not sizes) as Python numbers or branches on them cannot "
                 "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
                 "so: give it a momentum)" if cumulative else "") + "; move it out of the "
-                "forward, or wrap the part of the model that does not read them.") from error
+                "forward, or wrap the parts of the model that do not read them in their place"
+                + _children_of(model) + ".") from error
         # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
         # (a built-in type unhashable there is the model's own error, not its output's class)
         unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
@@ -162,7 +167,44 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             f"calling {type(model).__name__} with these arguments fails: {message}. Check "
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
             "cannot capture it: file an issue with the model.") from error
+    if _host_random_state() != drawn_before:
+        raise ValueError(
+            f"{type(model).__name__}'s forward draws random numbers from Python's random or "
+            "numpy's np.random: superneurons runs the graph it captured, so every step would "
+            "reuse the numbers drawn at capture, where plain PyTorch draws new ones (HF's "
+            "Wav2Vec2, HuBERT and WavLM mask their features so: SpecAugment). Draw them with "
+            "torch (torch.rand, torch.randperm), whose draws superneurons replays exactly, or "
+            "turn the feature off (for SpecAugment, config.apply_spec_augment = False).")
+    if assigned:
+        raise ValueError(
+            f"{type(model).__name__}'s forward assigns tensor attributes ("
+            f"{', '.join(assigned[:4])}{' and more' if len(assigned) > 4 else ''}): "
+            "superneurons runs the graph it captured, not the forward's Python, so after its "
+            "steps they would hold what they held before the first call, where plain PyTorch "
+            "sets them at every call. Return such a tensor from the forward instead (an "
+            "auxiliary loss, a cache), or wrap the parts of the model that do not assign them"
+            + _children_of(model) + ".")
     return _with_model_state(program, model)
+
+
+def _host_random_state() -> tuple:
+    """The global generators a forward may draw from outside torch: Python's and numpy's (a
+    generator object the model holds is not seen)."""
+    try:
+        import numpy
+    except ImportError:
+        return (random.getstate(),)
+    kind, keys, position, has_gauss, gauss = numpy.random.get_state()
+    return random.getstate(), (kind, keys.tobytes(), position, has_gauss, gauss)
+
+
+def _children_of(model: nn.Module) -> str:
+    """The model's direct children, named as a user would wrap one in its place."""
+    names = [name for name, _ in model.named_children()]
+    if not names:
+        return ""
+    return (f" (its children: {', '.join(names[:8])}{' and more' if len(names) > 8 else ''}; "
+            f"model.{names[0]} = sn.wrap(model.{names[0]}, ...) wraps one)")
 
 
 def _where_read(error: Exception) -> str | None:

@@ -9,7 +9,11 @@ Rule 1 (entry.py applies it): a model whose forward code the project wrote (the 
 Rule 2: nothing real is allocated: every layer runs on meta tensors, so shapes, saved tensors
         and bytes come for free, on any machine, for networks of thousands of layers.
 Rule 3: each layer is run in isolation on fresh inputs, so that what autograd saves, what aliases
-        and what is written in place is attributed to that layer alone.
+        and what is written in place is attributed to that layer alone. A fresh input keeps
+        its tensor's strides: an operation that copies only a tensor it cannot view
+        (contiguous, reshape) must copy in capture where it copies in the step (a contiguous
+        copy of a split's half, taken for a view of the logits, had a QA head's two losses
+        replayed on one half).
 Rule 4: a layer that looks like one already run (memo.py) is not run again: its pattern of
         outputs, in-place writes and saved tensors is reused.
 Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autocast.py), so
@@ -54,6 +58,19 @@ def trace(model: nn.Module) -> fx.GraphModule:
             "must not branch on tensor values; move such code into a module without children "
             "(it then becomes one layer) or call superneurons on the part that traces.") from error
     return fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+
+
+def _fresh_like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """Rule 3: an independent copy of ``tensor`` with its strides (clone() makes a view with
+    gaps contiguous); where it requires grad, a copy on autograd's graph (as a clone is), so
+    that the layer may write it in place."""
+    source = tensor.detach().requires_grad_(requires_grad)
+    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                device=tensor.device)
+    try:
+        return fresh.copy_(source)
+    except RuntimeError:   # overlapping strides (an expanded tensor) cannot be written: a view
+        return source.clone().as_strided(tensor.shape, tensor.stride())   # with them
 
 
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -261,8 +278,8 @@ class Analyzer:
             value = self.value_of[id(obj)]
             input_values.append(value)
             if value not in fresh:
-                fresh[value] = obj.detach().requires_grad_(
-                    self.values[value].requires_grad and obj.is_floating_point()).clone()
+                fresh[value] = _fresh_like(
+                    obj, self.values[value].requires_grad and obj.is_floating_point())
             return fresh[value]
 
         def prepare(arg_node):

@@ -1,0 +1,112 @@
+"""Capture sees what the step will do, or the model is refused before its first step: copies
+that only happen for some strides (capture/trace.py Rule 3), draws from generators outside
+torch, tensor attributes the forward assigns, and export's own output (capture/export_said.py)."""
+
+import copy
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import superneurons as sn
+from equality import assert_same_training
+
+X = torch.randn(2, 16, 32)
+
+
+class QuestionAnswering(nn.Module):
+    """HF's question-answering heads: the logits split into start and end, each made
+    contiguous, both returned and both in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm, self.qa = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 2)
+        self.register_buffer("positions", torch.tensor([[1, 4], [3, 6]]))
+
+    def forward(self, x):
+        start, end = self.qa(self.norm(self.lin(x))).split(1, dim=-1)
+        start, end = start.squeeze(-1).contiguous(), end.squeeze(-1).contiguous()
+        loss = (F.cross_entropy(start, self.positions[:, 0]) +
+                F.cross_entropy(end, self.positions[:, 1])) / 2
+        return loss, start, end
+
+
+def test_a_contiguous_copy_of_a_split_half_is_not_taken_for_a_view():
+    """Captured on contiguous fresh inputs, contiguous() looked like a view of the logits, and
+    the end loss's replay read the start half: every gradient differed."""
+    torch.manual_seed(0)
+    model = QuestionAnswering()
+    floor = sn.plan(copy.deepcopy(model), (X,), "superneurons").peak_bytes
+    liveness = sn.plan(copy.deepcopy(model), (X,), "liveness").peak_bytes
+    assert floor < liveness
+    wrapped = assert_same_training(model, X, None, loss_fn=lambda out, _: out[0],
+                                   policy="superneurons", budget=(floor + liveness) // 2)
+    assert wrapped.stats.recomputed_layers > 0
+
+
+class Drawing(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.lin, self.draw = nn.Linear(32, 32), draw
+
+    def forward(self, x):
+        return self.lin(x) * self.draw(x)
+
+
+@pytest.mark.parametrize("draw", [lambda x: float(np.random.rand()),
+                                  lambda x: random.random()], ids=["numpy", "python"])
+def test_a_forward_drawing_from_numpy_or_python_random_is_refused(draw):
+    """Every step would reuse the numbers drawn at capture (HF Wav2Vec2's SpecAugment)."""
+    with pytest.raises(ValueError, match="draws random numbers .* torch.rand"):
+        sn.wrap(Drawing(draw))(X)
+
+
+def test_a_forward_drawing_from_torch_trains_bit_for_bit():
+    assert_same_training(Drawing(lambda x: torch.rand_like(x)), X, None,
+                         loss_fn=lambda out, _: out.square().mean(), policy="recompute")
+
+
+class Assigning(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.aux_loss = None
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.aux_loss = out.square().mean()        # read by the training loop after the call
+        warnings.warn("the model's own warning")
+        return out
+
+
+def test_a_tensor_attribute_assigned_in_the_forward_is_refused_other_warnings_said():
+    """Export puts the attribute back and the graph never sets it: after a step the loop
+    would read the value from before the first call."""
+    with pytest.warns(UserWarning, match="the model's own warning"):
+        with pytest.raises(ValueError, match=r"assigns tensor attributes \(self.aux_loss\)"
+                                             r".*children: lin"):
+            sn.wrap(Assigning())(X)
+
+
+class ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone, self.head = nn.Linear(32, 32), nn.Linear(32, 2)
+
+    def forward(self, x):
+        features = self.backbone(x)
+        if features.sum() > 0:                  # a branch on a value: not capturable
+            features = features * 2
+        return self.head(features)
+
+
+def test_a_data_dependent_refusal_names_the_children_and_prints_no_graph(capfd):
+    with pytest.raises(ValueError, match="its children: backbone, head; model.backbone = "
+                                         r"sn.wrap\(model.backbone, ...\)") as refused:
+        sn.wrap(ReadsValues())(X)
+    assert "def forward" not in capfd.readouterr().err          # export's partial graph
+    assert refused.value.__cause__ is not None
