@@ -109,4 +109,24 @@ def test_a_data_dependent_refusal_names_the_children_and_prints_no_graph(capfd):
                                          r"sn.wrap\(model.backbone, ...\)") as refused:
         sn.wrap(ReadsValues())(X)
     assert "def forward" not in capfd.readouterr().err          # export's partial graph
-    assert refused.value.__cause__ is not None
+    assert refused.value.__cause__ is not None and "labels=" not in str(refused.value)
+
+
+class ReadsLabels(nn.Module):
+    """HF's heads given labels= compute their loss in the forward, some reading the labels'
+    values (DeBERTa-v2's classifier, Wav2Vec2's CTC)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 2)
+
+    def forward(self, x, labels=None):
+        logits = self.lin(x)
+        if labels is not None and labels.max() >= 2:
+            raise ValueError("labels out of range")
+        return logits
+
+
+def test_a_refusal_for_values_read_with_labels_says_to_compute_the_loss_outside():
+    with pytest.raises(ValueError, match="call it without labels and compute the loss"):
+        sn.wrap(ReadsLabels())(X, labels=torch.zeros(2, 16, dtype=torch.long))

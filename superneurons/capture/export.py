@@ -140,7 +140,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
                 "so: give it a momentum)" if cumulative else "") + "; move it out of the "
                 "forward, or wrap the parts of the model that do not read them in their place"
-                + _children_of(model) + ".") from error
+                + _children_of(model) + "." + (" Given labels=, a model may read them in the "
+                "loss it computes (HF's heads): call it without labels and compute the loss "
+                "from its logits outside." if "labels" in kwargs else "")) from error
         # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
         # (a built-in type unhashable there is the model's own error, not its output's class)
         unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
