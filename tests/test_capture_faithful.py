@@ -130,3 +130,58 @@ class ReadsLabels(nn.Module):
 def test_a_refusal_for_values_read_with_labels_says_to_compute_the_loss_outside():
     with pytest.raises(ValueError, match="call it without labels and compute the loss"):
         sn.wrap(ReadsLabels())(X, labels=torch.zeros(2, 16, dtype=torch.long))
+
+
+class Recurrent(nn.Module):
+    """nn.LSTM assigns its _flat_weights in every forward where its parameters were swapped
+    (export's stand-ins): the model's own parameters again, not a stale attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(32, 16, batch_first=True), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_recurrent_layer_reassigning_its_own_weights_trains_bit_for_bit():
+    assert_same_training(Recurrent(), X, None, loss_fn=lambda out, _: out.square().mean(),
+                         policy="recompute")
+
+
+class WarnsThenReads(ReadsValues):
+    def forward(self, x):
+        warnings.warn("the model's own warning", FutureWarning)
+        return super().forward(x)
+
+
+def test_warnings_said_during_a_failed_capture_are_shown():
+    with pytest.warns(FutureWarning, match="the model's own warning"):
+        with pytest.raises(ValueError, match="reads tensor values"):
+            sn.wrap(WarnsThenReads())(X)
+
+
+def test_a_warning_is_filtered_once_as_the_user_said():
+    """Shown where the user's filters let it through, not filtered again under another module
+    name (which, under "error" for all but this module, refused the model)."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("error")
+        warnings.filterwarnings("always", category=UserWarning, module=__name__)
+        sn.wrap(Warns())(X)
+    assert [str(w.message) for w in shown] == ["the model's own warning"]
+
+
+class Warns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        warnings.warn("the model's own warning")
+        return self.lin(x)
+
+
+def test_numbered_children_are_named_as_python_indexes_them():
+    model = nn.Sequential(ReadsValues(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"children: 0, 1; model\[0\] = sn.wrap\(model\[0\]"):
+        sn.wrap(model)(X)

@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from .export_said import said_by_export
+from .export_said import said_by_export, stale_attributes
 from .hf import exported_as_called
 from .refused import reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported
 
@@ -172,11 +172,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     if _host_random_state() != drawn_before:
         raise ValueError(
             f"{type(model).__name__}'s forward draws random numbers from Python's random or "
-            "numpy's np.random: superneurons runs the graph it captured, so every step would "
-            "reuse the numbers drawn at capture, where plain PyTorch draws new ones (HF's "
-            "Wav2Vec2, HuBERT and WavLM mask their features so: SpecAugment). Draw them with "
-            "torch (torch.rand, torch.randperm), whose draws superneurons replays exactly, or "
-            "turn the feature off (for SpecAugment, config.apply_spec_augment = False).")
+            "numpy's np.random (or seeds them): superneurons runs the graph it captured, so its "
+            "steps would reuse the numbers drawn at capture and leave those generators as they "
+            "are, where plain PyTorch draws new ones at every call (HF's Wav2Vec2, HuBERT and "
+            "WavLM mask their features so: SpecAugment). Draw them with torch (torch.rand, "
+            "torch.randperm), whose draws superneurons replays exactly, or turn off the feature "
+            "that draws them (for SpecAugment, config.apply_spec_augment = False).")
+    assigned = stale_attributes(model, assigned)
     if assigned:
         raise ValueError(
             f"{type(model).__name__}'s forward assigns tensor attributes ("
@@ -205,8 +207,9 @@ def _children_of(model: nn.Module) -> str:
     names = [name for name, _ in model.named_children()]
     if not names:
         return ""
+    first = f"model[{names[0]}]" if names[0].isdigit() else f"model.{names[0]}"
     return (f" (its children: {', '.join(names[:8])}{' and more' if len(names) > 8 else ''}; "
-            f"model.{names[0]} = sn.wrap(model.{names[0]}, ...) wraps one)")
+            f"{first} = sn.wrap({first}, ...) wraps one)")
 
 
 def _where_read(error: Exception) -> str | None:
