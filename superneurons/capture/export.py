@@ -13,7 +13,9 @@ Rule 3: with the model's state in host memory and the step on a device (state="h
         sees the state as if on that device (fake tensors), so the graph is the device's.
 Rule 2: what export cannot represent exactly is refused before a step runs: module hooks (export
         inlines them once, so a hook's Python would not run per step), data-dependent control
-        flow, custom objects, and graphs that return mutated inputs.
+        flow, custom objects, graphs that return mutated inputs, draws from Python's or numpy's
+        global generators (the graph would reuse capture's numbers) and tensor attributes the
+        forward assigns (export_said.py Rule 2).
 """
 
 import builtins

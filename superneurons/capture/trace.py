@@ -11,9 +11,9 @@ Rule 2: nothing real is allocated: every layer runs on meta tensors, so shapes, 
 Rule 3: each layer is run in isolation on fresh inputs, so that what autograd saves, what aliases
         and what is written in place is attributed to that layer alone. A fresh input keeps
         its tensor's strides: an operation that copies only a tensor it cannot view
-        (contiguous, reshape) must copy in capture where it copies in the step (a contiguous
-        copy of a split's half, taken for a view of the logits, had a QA head's two losses
-        replayed on one half).
+        (contiguous, reshape) must copy in capture where it copies in the step, or its copy is
+        planned as a view of its input (the contiguous halves of a split's logits, one storage
+        with them: a replay then reads the wrong half).
 Rule 4: a layer that looks like one already run (memo.py) is not run again: its pattern of
         outputs, in-place writes and saved tensors is reused.
 Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autocast.py), so
@@ -69,8 +69,9 @@ def _fresh_like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
                                 device=tensor.device)
     try:
         return fresh.copy_(source)
-    except RuntimeError:   # overlapping strides (an expanded tensor) cannot be written: a view
-        return source.clone().as_strided(tensor.shape, tensor.stride())   # with them
+    except RuntimeError:
+        # overlapping strides (an expanded tensor) cannot be written: a view with them
+        return source.clone().as_strided(tensor.shape, tensor.stride())
 
 
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:
