@@ -161,16 +161,6 @@ def test_warnings_said_during_a_failed_capture_are_shown():
             sn.wrap(WarnsThenReads())(X)
 
 
-def test_a_warning_is_filtered_once_as_the_user_said():
-    """Shown where the user's filters let it through, not filtered again under another module
-    name (which, under "error" for all but this module, refused the model)."""
-    with warnings.catch_warnings(record=True) as shown:
-        warnings.simplefilter("error")
-        warnings.filterwarnings("always", category=UserWarning, module=__name__)
-        sn.wrap(Warns())(X)
-    assert [str(w.message) for w in shown] == ["the model's own warning"]
-
-
 class Warns(nn.Module):
     def __init__(self):
         super().__init__()
@@ -179,6 +169,16 @@ class Warns(nn.Module):
     def forward(self, x):
         warnings.warn("the model's own warning")
         return self.lin(x)
+
+
+def test_a_warning_is_filtered_once_as_the_user_said():
+    """Shown where the user's filters let it through, not filtered again under another module
+    name (which, under "error" for all but this module, refused the model)."""
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("error")
+        warnings.filterwarnings("always", category=UserWarning, module=__name__)
+        sn.wrap(Warns())(X)
+    assert [str(w.message) for w in shown] == ["the model's own warning"]
 
 
 def test_numbered_children_are_named_as_python_indexes_them():
