@@ -185,3 +185,33 @@ def test_numbered_children_are_named_as_python_indexes_them():
     model = nn.Sequential(ReadsValues(), nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"children: 0, 1; model\[0\] = sn.wrap\(model\[0\]"):
         sn.wrap(model)(X)
+
+
+class SetsUpAutograd(nn.Module):
+    """What a forward sets up for autograd as it runs (capture/refused.py Rule 4)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(32, 32), nn.Linear(32, 32), how
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "tensor hook":
+            h.register_hook(lambda grad: grad.clamp(-1e-3, 1e-3))
+            return self.b(h)
+        if self.how == "saved tensors hooks":
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: t.to(torch.bfloat16), lambda t: t.to(torch.float32)):
+                return self.b(h).tanh()
+        return self.b(torch.vmap(torch.tanh)(h))
+
+
+@pytest.mark.parametrize("how, said", [("tensor hook", "Tensor.register_hook"),
+                                       ("saved tensors hooks", "saved_tensors_hooks"),
+                                       ("vmap", "functorch transform")])
+def test_autograd_python_a_forward_sets_up_is_refused(how, said):
+    """Dropped from the captured graph, a hook or a compressing pack changed the gradients
+    silently; vmap's levels failed capture and stayed open for the rest of the process."""
+    with pytest.raises(ValueError, match=said):
+        sn.wrap(SetsUpAutograd(how), policy="recompute")(X)
+    torch.nn.functional.dropout(torch.ones(4), 0.5)       # functorch's levels closed again

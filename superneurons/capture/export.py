@@ -32,7 +32,8 @@ from torch.utils import _pytree as pytree
 
 from .export_said import said_by_export, stale_attributes
 from .hf import exported_as_called
-from .refused import reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported
+from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
+                      reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported)
 
 __all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
 
@@ -120,12 +121,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
-    reentrant, assigned = [], []
+    reentrant, assigned, autograd_python = [], [], []
     drawn_before = _host_random_state()
     try:
         with _state_on(model, device, mode), reentrant_checkpoints_refused(reentrant), \
                 exported_as_called(model, args, kwargs, packed_positions), \
-                said_by_export(assigned):
+                said_by_export(assigned), autograd_python_watched(autograd_python):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         if reentrant:
@@ -171,6 +172,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             f"calling {type(model).__name__} with these arguments fails: {message}. Check "
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
             "cannot capture it: file an issue with the model.") from error
+    if functorch_transforms(program.graph_module):
+        autograd_python.append("runs a functorch transform (torch.vmap, torch.func)")
+    if autograd_python:
+        raise autograd_python_refusal(model, autograd_python)
     if _host_random_state() != drawn_before:
         raise ValueError(
             f"{type(model).__name__}'s forward draws random numbers from Python's random or "

@@ -14,10 +14,17 @@ Rule 3: HF's T5 family under torch.autocast: its captured graph masks the decode
         bias on another path than its eager forward takes, and the relative attention bias's
         gradient differs in its last bits (CPU bf16; tests/test_refused.py). In float32 it
         trains bit for bit. Refused under autocast until capture takes the eager path there.
+Rule 4: autograd Python the forward sets up as it runs is not in the captured graph, which runs
+        instead of the forward: a gradient hook it registers on a tensor (Tensor.register_hook)
+        and saved-tensor hooks it enters (torch.autograd.graph.saved_tensors_hooks itself;
+        torch.utils.checkpoint's own are captured as the operations they run) would be
+        dropped, silently changing the gradients; functorch's transforms (torch.vmap,
+        torch.func.grad) cannot run as layers one at a time. Refused.
 """
 
 import contextlib
 
+import torch
 from torch import nn
 
 # HF model types sharing T5's attention with a relative position bias (Rule 3)
@@ -89,3 +96,42 @@ def reentrant_refusal(model: nn.Module) -> ValueError:
         "forward: its part runs under no_grad, which a captured graph keeps, so the step's "
         "output would have no gradient. superneurons recomputes what the budget needs itself: "
         "remove the checkpoint (or pass use_reentrant=False, which it captures as it is).")
+
+
+@contextlib.contextmanager
+def autograd_python_watched(seen: list):
+    """Rule 4: while the model is captured, ``seen`` collects the hooks its forward sets up."""
+    from torch.autograd.graph import saved_tensors_hooks
+    register_hook, enter = torch.Tensor.register_hook, saved_tensors_hooks.__enter__
+
+    def hooked(self, hook):
+        seen.append("registers a gradient hook on a tensor (Tensor.register_hook)")
+        return register_hook(self, hook)
+
+    def entered(self):
+        if type(self) is saved_tensors_hooks:
+            seen.append("enters torch.autograd.graph.saved_tensors_hooks")
+        return enter(self)
+    torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = hooked, entered
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = register_hook, enter
+
+
+def functorch_transforms(graph_module) -> bool:
+    """Rule 4: whether a captured graph (its regions included) runs a functorch transform."""
+    return any(node.op == "call_function" and
+               "functorch" in (getattr(node.target, "__module__", None) or "")
+               for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+               for node in module.graph.nodes)
+
+
+def autograd_python_refusal(model: nn.Module, seen: list) -> ValueError:
+    return ValueError(
+        f"{type(model).__name__}'s forward {' and '.join(dict.fromkeys(seen))}: superneurons "
+        "runs the graph it captured instead of the forward, which drops the hooks a forward "
+        "sets up and cannot run functorch's transforms one layer at a time, so its steps would "
+        "not compute plain PyTorch's gradients. Register gradient hooks on the wrapped model's "
+        "output or parameters outside the forward, or wrap the parts of the "
+        "model that do not use them.")
