@@ -235,12 +235,17 @@ MODELS = {
 }
 
 
-def main():
+def run(models: dict, record: str) -> None:
+    """The command line of a newcomers pass: OUT_DIR [--only NAME ...], into OUT_DIR/record."""
     only = sys.argv[sys.argv.index("--only") + 1:] if "--only" in sys.argv else None
-    models = {name: make for name, make in MODELS.items()
+    chosen = {name: make for name, make in models.items()
               if only is None or any(part in name for part in only)}
-    rows = compare(models, offload_moving=True)
-    write(os.path.join(sys.argv[1], "newcomers_more.json"), {"steps": STEPS, "rows": rows})
+    rows = compare(chosen, offload_moving=True)
+    write(os.path.join(sys.argv[1], record), {"steps": STEPS, "rows": rows})
+
+
+def main():
+    run(MODELS, "newcomers_more.json")
 
 
 if __name__ == "__main__":

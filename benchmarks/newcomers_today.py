@@ -24,9 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import write
-from newcomers_exact import STEPS, compare
-from newcomers_more import CAUSAL, VOCAB, causal, timm_classifier
+from newcomers_more import CAUSAL, VOCAB, causal, run, timm_classifier
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.1,
@@ -169,12 +167,7 @@ MODELS = {
 
 
 def main():
-    only = sys.argv[sys.argv.index("--only") + 1:] if "--only" in sys.argv else None
-    models = {name: make for name, make in MODELS.items()
-              if only is None or any(part in name for part in only)}
-    rows = compare(models, offload_moving=True)
-    write(os.path.join(sys.argv[1], "newcomers_today.json"), {"steps": STEPS, "rows": rows})
-
+    run(MODELS, "newcomers_today.json")
 
 if __name__ == "__main__":
     main()
