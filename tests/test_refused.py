@@ -107,6 +107,38 @@ def test_the_models_own_unhashable_key_is_not_taken_for_its_output_class():
     assert "register_dataclass" not in str(error.value)
 
 
+class PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(4, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+        return self.head(out)
+
+
+def test_a_packed_sequence_is_refused_as_a_value_read_not_as_the_callers_arguments():
+    with pytest.raises(ValueError, match="PackedSequence") as error:
+        sn.wrap(PackedLSTM(), policy="recompute")(torch.randn(3, 5, 4), torch.tensor([5, 3, 2]))
+    assert "these arguments" not in str(error.value) and "model.lstm" in str(error.value)
+
+
+class HeldGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.noise = nn.Linear(8, 2), torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return self.fc(x + torch.rand(x.shape, generator=self.noise))
+
+
+def test_a_held_generator_is_named_with_what_to_draw_from_instead():
+    with pytest.raises(ValueError, match=r"torch.Generator it holds \(noise\).*manual_seed"):
+        sn.plan(HeldGenerator(), X)
+
+
 def _t5():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -132,16 +132,21 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         if reentrant:
             raise reentrant_refusal(model) from error
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
-        if "data-dependent" in str(error) or "data dependent" in str(error):
+        # a value read as a size reaches export as a fake tensor where ints are due
+        if "data-dependent" in str(error) or "data dependent" in str(error) or \
+                "but got FakeTensor" in str(error):
             cumulative = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and
                              m.momentum is None for m in model.modules())
+            recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
             where = _where_read(error)
             raise ValueError(
                 f"superneurons could not capture {type(model).__name__}: {message}"
                 + (f" (read at {where})" if where else "") + ". Code that "
                 "reads tensor values (not sizes) as Python numbers or branches on them cannot "
                 "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
-                "so: give it a momentum)" if cumulative else "") + "; move it out of the "
+                "so: give it a momentum)" if cumulative else "") + (" (a PackedSequence "
+                "sizes its recurrent layers' steps by the lengths' values: give them padded "
+                "batches, and mask the padding)" if recurrent else "") + "; move it out of the "
                 "forward, or wrap the parts of the model that do not read them in their place"
                 + _children_of(model) + "." + (" Given labels=, a model may read them in the "
                 "loss it computes (HF's heads): call it without labels and compute the loss "
@@ -219,6 +224,25 @@ def _children_of(model: nn.Module) -> str:
             f"{first} = sn.wrap({first}, ...) wraps one)")
 
 
+def _held_object_refusal(model: nn.Module, spec) -> str:
+    """Export lifts objects the model holds out of the graph (a custom object input): a
+    torch.Generator the forward draws from is the one users meet."""
+    generators = [f"{prefix}.{name}" if prefix else name
+                  for prefix, module in model.named_modules()
+                  for name, value in vars(module).items() if isinstance(value, torch.Generator)]
+    if generators:
+        return (f"{type(model).__name__}'s forward draws from a torch.Generator it holds "
+                f"({', '.join(generators[:4])}): superneurons runs the graph it captured, which "
+                "cannot advance that generator, so its steps would not draw what plain PyTorch "
+                "draws. Draw from torch's default generator (seeded by torch.manual_seed), "
+                "whose draws superneurons replays exactly, or wrap the parts of the model "
+                "that do not draw from it" + _children_of(model) + ".")
+    return (f"{type(model).__name__} holds a {spec.kind.name.lower()} ({spec.target}), an "
+            "object torch.export lifts out of the graph, which superneurons cannot run at "
+            "every step. Wrap the parts of the model that do not use it" + _children_of(model)
+            + ".")
+
+
 def _where_read(error: Exception) -> str | None:
     """Where export's data-dependent error says the model read a value: the frame it names,
     unless that is torch's own, else the innermost frame of the traceback outside torch and
@@ -289,8 +313,7 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
                 root[name] = program.constants[spec.target]
                 env[node] = graph.get_attr(name)
             else:
-                raise ValueError(f"{type(model).__name__} holds a {spec.kind.name.lower()} "
-                                 f"({spec.target}) that superneurons cannot capture")
+                raise ValueError(_held_object_refusal(model, spec))
         elif node.op == "get_attr":        # the body of a grad-mode or autocast region
             name = f"_region_{node.target}"
             root[name] = _without_checks(getattr(program.graph_module, node.target))
