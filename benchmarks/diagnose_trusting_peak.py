@@ -8,6 +8,7 @@ are marked by small allocations on a stream of their own, which the trace keeps 
 each step's allocated bytes can be read per boundary and the two steps compared where they part.
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
+        [--steps 3] [--sync] [--no-record]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
@@ -28,12 +29,15 @@ CAP_GIB, BUDGET_GIB = 12.0, 11.5
 class Marks:
     """Boundaries as allocations on a stream no other work uses."""
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         self.stream = torch.cuda.Stream()
         self.names: list = []
+        self.sync = sync          # the host waits for the device at every mark
 
     def __call__(self, name: str) -> None:
         self.names.append(name)
+        if self.sync:
+            torch.cuda.synchronize()
         with torch.cuda.stream(self.stream):
             torch.empty(512, dtype=torch.uint8, device="cuda")
 
@@ -114,33 +118,38 @@ def main():
     parser.add_argument("--network", default="resnet101")
     parser.add_argument("--batch", type=int, default=896)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sync", action="store_true",
+                        help="the host waits for the device at every layer and autograd node "
+                             "(does a host running ahead of the device make the peak?)")
+    parser.add_argument("--no-record", action="store_true", help="peaks only, no trace")
     args = parser.parse_args()
     import superneurons as sn
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
-    optimizer, marks = sgd(model), Marks()
-    rows = [step(wrapped, optimizer, x, y, marks, record=index >= 1)
+    optimizer, marks = sgd(model), Marks(sync=args.sync)
+    rows = [step(wrapped, optimizer, x, y, marks, record=index >= 1 and not args.no_record)
             for index in range(args.steps)]
     # where the last step parts from the calibrating step before it: the first mark at which
     # it holds more than that step did, by more than 64 MiB
     calibrating, trusting = rows[1], rows[-1]
     parted = None
-    if calibrating.get("mark_names") == trusting.get("mark_names"):
+    if "mark_names" in trusting and calibrating.get("mark_names") == trusting["mark_names"]:
         for index, (a, b) in enumerate(zip(calibrating["allocated_at_marks"],
                                            trusting["allocated_at_marks"])):
             if b - a > 64 << 20:
                 parted = {"mark": index, "name": trusting["mark_names"][index],
                           "calibrating_bytes": a, "trusting_bytes": b}
                 break
-    for row in rows[1:]:          # the per-mark curves are long: keep every 8th
+    for row in rows[1:] if "mark_names" in trusting else ():   # long curves: every 8th
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
-    write(os.path.join(args.out, "diagnose_trusting_peak.json"), {
+    name = "diagnose_trusting_peak" + ("_sync" if args.sync else "") + ".json"
+    write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
-        "budget_gib": BUDGET_GIB, "steps": rows, "parted": parted})
+        "budget_gib": BUDGET_GIB, "sync": args.sync, "steps": rows, "parted": parted})
 
 
 if __name__ == "__main__":
