@@ -19,7 +19,15 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
         and saved-tensor hooks it enters (torch.autograd.graph.saved_tensors_hooks itself;
         torch.utils.checkpoint's own are captured as the operations they run) would be
         dropped, silently changing the gradients; functorch's transforms (torch.vmap,
-        torch.func.grad) cannot run as layers one at a time. Refused.
+        torch.func.grad) cannot run as layers one at a time. Refused. So is a custom
+        torch.autograd.Function applied where it would be differentiated (grad enabled, an
+        input requiring grad): export records its forward's operations and drops its
+        backward, so the step differentiates those operations instead of running the
+        Function's own backward: other gradients, silently (HF's BLOOM trains its GELU by
+        one, whose hand-written backward differs from autograd's in the last bits; a
+        backward that is not the forward's derivative differs by any amount). A
+        torch.library.custom_op with register_autograd is captured whole, and trains bit for
+        bit.
 """
 
 import contextlib
@@ -103,6 +111,8 @@ def autograd_python_watched(seen: list):
     """Rule 4: while the model is captured, ``seen`` collects the hooks its forward sets up."""
     from torch.autograd.graph import saved_tensors_hooks
     register_hook, enter = torch.Tensor.register_hook, saved_tensors_hooks.__enter__
+    function = torch.autograd.Function
+    apply = function.__dict__["apply"]      # a C classmethod; subclasses' super().apply too
 
     def hooked(self, hook):
         seen.append("registers a gradient hook on a tensor (Tensor.register_hook)")
@@ -112,11 +122,23 @@ def autograd_python_watched(seen: list):
         if type(self) is saved_tensors_hooks:
             seen.append("enters torch.autograd.graph.saved_tensors_hooks")
         return enter(self)
+
+    def applied(cls, *args, **kwargs):
+        # torch.library's custom ops run their register_autograd as a Function of torch's own
+        # (torch._library.autograd), inside the op export records whole
+        if not cls.__module__.startswith("torch._library.") and torch.is_grad_enabled() and \
+                any(isinstance(t, torch.Tensor) and t.requires_grad
+                    for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            seen.append(f"applies the custom autograd Function {cls.__module__}."
+                        f"{cls.__qualname__}, whose own backward capture drops")
+        return apply.__get__(None, cls)(*args, **kwargs)
     torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = hooked, entered
+    function.apply = classmethod(applied)
     try:
         yield
     finally:
         torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = register_hook, enter
+        function.apply = apply
 
 
 def functorch_transforms(graph_module) -> bool:
@@ -131,7 +153,10 @@ def autograd_python_refusal(model: nn.Module, seen: list) -> ValueError:
     return ValueError(
         f"{type(model).__name__}'s forward {' and '.join(dict.fromkeys(seen))}: superneurons "
         "runs the graph it captured instead of the forward, which drops the hooks a forward "
-        "sets up and cannot run functorch's transforms one layer at a time, so its steps would "
-        "not compute plain PyTorch's gradients. Register gradient hooks on the wrapped model's "
-        "output or parameters outside the forward, or wrap the parts of the "
+        "sets up and a custom autograd Function's own backward (the step would differentiate "
+        "its forward's operations instead) and cannot run functorch's transforms one layer at "
+        "a time, so its steps would not compute plain PyTorch's gradients. Register gradient "
+        "hooks on the wrapped model's output or parameters outside the forward; make a custom "
+        "Function a torch.library.custom_op with register_autograd (captured whole), or "
+        "replace it by its forward's operations in the model itself; or wrap the parts of the "
         "model that do not use them.")
