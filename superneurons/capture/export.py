@@ -14,8 +14,8 @@ Rule 3: with the model's state in host memory and the step on a device (state="h
 Rule 2: what export cannot represent exactly is refused before a step runs: module hooks (export
         inlines them once, so a hook's Python would not run per step), data-dependent control
         flow, custom objects, graphs that return mutated inputs, draws from Python's or numpy's
-        global generators (the graph would reuse capture's numbers) and tensor attributes the
-        forward assigns (export_said.py Rule 2).
+        global generators (the graph would reuse capture's numbers), tensor attributes the
+        forward assigns (export_said.py Rule 2) and other attributes it changes (assigned.py).
 """
 
 import builtins
@@ -30,6 +30,7 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from .assigned import assigned_refusal, watched_attributes
 from .export_said import said_by_export, stale_attributes
 from .hf import exported_as_called
 from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
@@ -121,12 +122,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
-    reentrant, assigned, autograd_python = [], [], []
+    reentrant, assigned, autograd_python, written = [], [], [], []
     drawn_before = _host_random_state()
     try:
         with _state_on(model, device, mode), reentrant_checkpoints_refused(reentrant), \
                 exported_as_called(model, args, kwargs, packed_positions), \
-                said_by_export(assigned), autograd_python_watched(autograd_python):
+                said_by_export(assigned), autograd_python_watched(autograd_python), \
+                watched_attributes(model, written):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         if reentrant:
@@ -200,6 +202,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             "sets them at every call. Return such a tensor from the forward instead (an "
             "auxiliary loss, a cache), or wrap the parts of the model that do not assign them"
             + _children_of(model) + ".")
+    if written:
+        raise assigned_refusal(model, written, _children_of(model))
     return _with_model_state(program, model)
 
 
