@@ -8,13 +8,14 @@ are marked by small allocations on a stream of their own, which the trace keeps 
 each step's allocated bytes can be read per boundary and the two steps compared where they part.
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
-        [--steps 3] [--sync] [--no-record]
+        [--steps 3] [--sync forward|backward|both] [--no-record]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
 import argparse
 import os
 import sys
+import time
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
@@ -29,20 +30,22 @@ CAP_GIB, BUDGET_GIB = 12.0, 11.5
 class Marks:
     """Boundaries as allocations on a stream no other work uses."""
 
-    def __init__(self, sync: bool = False):
+    def __init__(self, sync: str | None = None):
         self.stream = torch.cuda.Stream()
         self.names: list = []
-        self.sync = sync          # the host waits for the device at every mark
+        self.sync = sync          # where the host waits for the device at every mark
+        self.phase = "forward"    # replays in backward are marked as layers, in backward
 
     def __call__(self, name: str) -> None:
         self.names.append(name)
-        if self.sync:
+        if self.sync in ("both", self.phase):
             torch.cuda.synchronize()
         with torch.cuda.stream(self.stream):
             torch.empty(512, dtype=torch.uint8, device="cuda")
 
     def on_backward(self, root) -> None:
         """A mark before every autograd node reachable from ``root`` runs."""
+        self.phase = "backward"
         seen, todo = set(), [root]
         while todo:
             node = todo.pop()
@@ -88,10 +91,11 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
     def marked(self, layer, *args, **kwargs):
         marks(f"layer {layer.name}")
         return run_layer(self, layer, *args, **kwargs)
-    marks.names = []
+    marks.names, marks.phase = [], "forward"
     executor_module.Executor._run_layer = marked
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
     if record:
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
     try:
@@ -101,7 +105,8 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
         loss.backward()
         optimizer.step()
         torch.cuda.synchronize()
-        row = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(), **calibration_of(wrapped)}
+        row = {"seconds": time.perf_counter() - began,
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(), **calibration_of(wrapped)}
         if record:
             row.update(curve(torch.cuda.memory._snapshot(), marks))
             row["mark_names"] = list(marks.names)
@@ -118,9 +123,10 @@ def main():
     parser.add_argument("--network", default="resnet101")
     parser.add_argument("--batch", type=int, default=896)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--sync", action="store_true",
-                        help="the host waits for the device at every layer and autograd node "
-                             "(does a host running ahead of the device make the peak?)")
+    parser.add_argument("--sync", choices=("forward", "backward", "both"), default=None,
+                        help="the host waits for the device at every layer (forward), autograd "
+                             "node (backward) or both: does a host running ahead of the device "
+                             "make the peak?")
     parser.add_argument("--no-record", action="store_true", help="peaks only, no trace")
     args = parser.parse_args()
     import superneurons as sn
@@ -145,7 +151,7 @@ def main():
     for row in rows[1:] if "mark_names" in trusting else ():   # long curves: every 8th
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
-    name = "diagnose_trusting_peak" + ("_sync" if args.sync else "") + ".json"
+    name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
