@@ -56,11 +56,11 @@ class Marks:
             todo.extend(next_node for next_node, _ in node.next_functions)
 
 
-def curve(snapshot: dict, marks: Marks) -> dict:
+def curve(snapshot: dict, marks: Marks, start: int) -> dict:
     """Allocated bytes at each mark and the step's peak, with what was allocated since the mark
-    before the peak."""
+    before the peak; ``start``: what was allocated when the trace began."""
     events = snapshot["device_traces"][0]
-    allocated, peak, peak_at, mark_index = 0, -1, None, -1
+    allocated, peak, peak_at, mark_index = start, -1, None, -1
     at_marks, live, since = [], {}, []
     for event in events:
         action, size = event["action"], event["size"]
@@ -95,7 +95,7 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
     executor_module.Executor._run_layer = marked
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    began = time.perf_counter()
+    began, start = time.perf_counter(), torch.cuda.memory_allocated()
     if record:
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
     try:
@@ -108,7 +108,7 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
         row = {"seconds": time.perf_counter() - began,
                "peak_allocated_bytes": torch.cuda.max_memory_allocated(), **calibration_of(wrapped)}
         if record:
-            row.update(curve(torch.cuda.memory._snapshot(), marks))
+            row.update(curve(torch.cuda.memory._snapshot(), marks, start))
             row["mark_names"] = list(marks.names)
     finally:
         executor_module.Executor._run_layer = run_layer
