@@ -351,3 +351,27 @@ def test_a_wrapped_forward_gives_back_a_limit_a_raising_backward_left(monkeypatc
     wrapped = sn.wrap(_net("cpu"), budget=4 * liveness)
     wrapped(x)
     assert fake.fraction == 1.0 and not fit.limiting
+
+
+@needs_cuda
+def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_device(monkeypatch):
+    """Executor Rule 10: the pool decides from the copies it finds finished, so the host does
+    not run layers ahead of the device where the step moves data; a step that moved nothing
+    before runs ahead as PyTorch does."""
+    x = torch.randn(32, 64, 56, 56, device="cuda")
+    liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
+    floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
+    wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
+    synchronize, waits = torch.cuda.synchronize, []
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: (waits.append(device), synchronize(device)))
+    moved, paced = [], []
+    for _ in range(3):
+        waits.clear()
+        wrapped(x).sum().backward()
+        executor = wrapped._last[1]
+        moved.append(executor.pool.offloaded_bytes > 0)
+        paced.append((executor.paced, len(waits) >= executor.num_layers))
+    assert moved == [True] * 3, "the budget should make the offload policy move data"
+    assert [flag for flag, _ in paced] == [False, True, True]
+    assert all(waited for flag, waited in paced if flag)
