@@ -93,7 +93,8 @@ def test_an_attribute_set_once_is_refused_until_the_model_was_called_once():
     model = Model(_shape)
     with pytest.raises(ValueError, match=r"encoder\.layer\.0\.last_shape \(unset before the "
                                          r"call, torch.Size.*call the model once before"):
-        sn.wrap(Model(_shape))(X)
+        sn.wrap(model)(X)
+    assert not hasattr(model.encoder.layer[0], "last_shape")    # not left with capture's
     model(X)
     assert_same_training(model, X, None, loss_fn=lambda out, _: out.square().mean(),
                          policy="recompute")

@@ -1,8 +1,9 @@
 """Plain attributes a forward assigns, which torch.export puts back after tracing.
 
 export snapshots every module attribute that is not nn.Module's own (parameters, buffers,
-children, hooks, training), containers copied, runs the forward once and restores the snapshot;
-the captured graph then never runs the forward's Python. A counter the forward bumps
+children, hooks, training), containers copied, runs the forward once and restores the snapshot
+(attributes the forward created stay: they are removed here); the captured graph then never
+runs the forward's Python. A counter the forward bumps
 (``self.step += 1``), a flag it sets or a list it appends to thus keeps its value from before
 capture at every step, where plain PyTorch writes it at every call: superneurons refuses the
 model. So is a value set once, lazily (``if self.pad is None: ...``, an attribute the forward
@@ -52,11 +53,14 @@ def watched_attributes(model: nn.Module, written: list):
     def watching(root: nn.Module):
         modules = dict(root.named_modules())
         before = _snapshot(modules)
-        with detect(root):
-            try:
-                yield
-            finally:
-                written.extend(_changed(before, _snapshot(modules, copy=False)))
+        try:
+            with detect(root):
+                try:
+                    yield
+                finally:
+                    written.extend(_changed(before, _snapshot(modules, copy=False)))
+        finally:
+            _remove_created(modules, written)
     trace._detect_attribute_assignment = watching
     try:
         yield
@@ -65,6 +69,18 @@ def watched_attributes(model: nn.Module, written: list):
 
 
 _MISSING, _REGISTERED = object(), object()
+
+
+def _remove_created(modules: dict, written: list) -> None:
+    """export puts back the attributes there before the call (``__dict__.update``) and leaves
+    those the forward created, holding capture's values (fake tensors among them): those
+    refused here are removed, so that the model is left as it was."""
+    for qualified, before, _ in written:
+        if before is _MISSING:
+            owner, _, key = qualified.rpartition(".")
+            module = modules.get(owner)
+            if module is not None and key in vars(module):
+                delattr(module, key)
 
 
 def _snapshot(modules: dict, copy: bool = True) -> dict:
@@ -130,8 +146,8 @@ def assigned_refusal(model: nn.Module, written: list, children: str) -> ValueErr
         + (f" and {len(more)} more ({', '.join(more[:3])}{', ...' if len(more) > 3 else ''})"
            if more else "")
         + ": superneurons runs the graph it captured, not the forward's Python, so over its "
-        "steps such an attribute would keep what it held before the first call (torch.export "
-        "puts it back after capture), where plain PyTorch assigns it at every call. Keep such "
+        "steps such an attribute would keep what it held before the first call (capture puts "
+        "it back), where plain PyTorch assigns it at every call. Keep such "
         "state "
         "outside the model (count steps in the training loop and pass the count in as an "
         "argument, compute the value outside the wrapped module), or wrap the parts of the "

@@ -23,6 +23,7 @@ import contextlib
 import os
 import random
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ from .refused import (autograd_python_refusal, autograd_python_watched, functorc
 
 __all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
 
+# the watches around export patch torch for the process (refused.py Rule 4, assigned.py,
+# export_said.py): one capture at a time, so that two threads' patches cannot interleave and
+# leave one installed
+_one_capture = threading.RLock()
 # checks export adds for the example's dtypes and devices: a plan's key already pins both
 _DROPPED = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -125,7 +130,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     reentrant, assigned, autograd_python, written = [], [], [], []
     drawn_before = _host_random_state()
     try:
-        with _state_on(model, device, mode), reentrant_checkpoints_refused(reentrant), \
+        with _one_capture, _state_on(model, device, mode), \
+                reentrant_checkpoints_refused(reentrant), \
                 exported_as_called(model, args, kwargs, packed_positions), \
                 said_by_export(assigned), autograd_python_watched(autograd_python), \
                 watched_attributes(model, written):
@@ -133,13 +139,16 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     except Exception as error:  # export raises many kinds: say what to do in one place
         if reentrant:
             raise reentrant_refusal(model) from error
+        if autograd_python:     # seen before export failed: the cause the user can act on
+            raise autograd_python_refusal(model, autograd_python) from error
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
-        # a value read as a size reaches export as a fake tensor where ints are due
-        if "data-dependent" in str(error) or "data dependent" in str(error) or \
-                "but got FakeTensor" in str(error):
+        # a value read as a size reaches export as a fake tensor where ints are due (a
+        # PackedSequence's batch sizes, in a recurrent layer)
+        sized = "but got FakeTensor" in str(error)
+        if "data-dependent" in str(error) or "data dependent" in str(error) or sized:
             cumulative = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and
                              m.momentum is None for m in model.modules())
-            recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+            recurrent = sized and any(isinstance(m, nn.RNNBase) for m in model.modules())
             where = _where_read(error)
             raise ValueError(
                 f"superneurons could not capture {type(model).__name__}: {message}"

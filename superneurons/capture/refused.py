@@ -31,6 +31,7 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
 """
 
 import contextlib
+import threading
 
 import torch
 from torch import nn
@@ -108,18 +109,22 @@ def reentrant_refusal(model: nn.Module) -> ValueError:
 
 @contextlib.contextmanager
 def autograd_python_watched(seen: list):
-    """Rule 4: while the model is captured, ``seen`` collects the hooks its forward sets up."""
+    """Rule 4: while the model is captured, ``seen`` collects the hooks its forward sets up.
+    The patches are the process's: only the capturing thread's calls count (export.py holds
+    one capture at a time)."""
     from torch.autograd.graph import saved_tensors_hooks
     register_hook, enter = torch.Tensor.register_hook, saved_tensors_hooks.__enter__
     function = torch.autograd.Function
     apply = function.__dict__["apply"]      # a C classmethod; subclasses' super().apply too
+    capturing = threading.get_ident()
 
     def hooked(self, hook):
-        seen.append("registers a gradient hook on a tensor (Tensor.register_hook)")
+        if threading.get_ident() == capturing:
+            seen.append("registers a gradient hook on a tensor (Tensor.register_hook)")
         return register_hook(self, hook)
 
     def entered(self):
-        if type(self) is saved_tensors_hooks:
+        if type(self) is saved_tensors_hooks and threading.get_ident() == capturing:
             seen.append("enters torch.autograd.graph.saved_tensors_hooks")
         return enter(self)
 
@@ -127,10 +132,10 @@ def autograd_python_watched(seen: list):
         # torch.library's custom ops run their register_autograd as a Function of torch's own
         # (torch._library.autograd), inside the op export records whole
         if not cls.__module__.startswith("torch._library.") and torch.is_grad_enabled() and \
+                threading.get_ident() == capturing and \
                 any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-            seen.append(f"applies the custom autograd Function {cls.__module__}."
-                        f"{cls.__qualname__}, whose own backward capture drops")
+            seen.append(_function_said(cls))
         return apply.__get__(None, cls)(*args, **kwargs)
     torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = hooked, entered
     function.apply = classmethod(applied)
@@ -139,6 +144,14 @@ def autograd_python_watched(seen: list):
     finally:
         torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = register_hook, enter
         function.apply = apply
+
+
+def _function_said(cls) -> str:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__.startswith("torch."):     # torch.cond's, scan's, nn.CrossMapLRN2d's
+        return (f"reaches torch's own autograd Function {name} (torch.cond or torch.scan on "
+                "values, or a torch layer built on a Function), which capture cannot keep")
+    return f"applies the custom autograd Function {name}, whose own backward capture drops"
 
 
 def functorch_transforms(graph_module) -> bool:
