@@ -63,7 +63,7 @@ Rule 10: on CUDA, once the pool has offloaded in a step, every later forward run
         convolutions also waited): ResNet-101 at batch 896 by 855 MiB, past its budget, at
         3.85 s a step; waiting before each forward layer, its steps held 10.70 GiB at 4.05-4.07
         s; waiting in backward changed nothing (diagnose_trusting_peak_resnet101_896_*.json).
-        In the claims it cost later steps 3-10% (claims_paced_76593b4.json). Why the pool's
+        In the claims it cost later steps 3-15% (claims_paced_76593b4.json). Why the pool's
         accounting lets the peak differ was not found; waiting for the compute stream alone,
         which would keep copies overlapping, was not measured.
 """
