@@ -98,3 +98,24 @@ def test_an_attribute_set_once_is_refused_until_the_model_was_called_once():
     model(X)
     assert_same_training(model, X, None, loss_fn=lambda out, _: out.square().mean(),
                          policy="recompute")
+
+
+class Counting(nn.Module):
+    """A leaf of the user's own: no children, its forward bumps a counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x)
+
+
+def test_a_users_leaf_whose_forward_counts_is_refused_and_left_as_it_was():
+    """torch.fx runs a user's leaf as a layer: at capture's analysis and at every replay too,
+    so the counter read 3 after one recomputed step where plain PyTorch's reads 1."""
+    model = nn.Sequential(nn.Linear(8, 8), Counting(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"assigns 1\.calls .*every replay"):
+        sn.wrap(model, policy="recompute")(torch.randn(4, 8))
+    assert model[1].calls == 0

@@ -68,6 +68,27 @@ def watched_attributes(model: nn.Module, written: list):
         trace._detect_attribute_assignment = detect
 
 
+@contextlib.contextmanager
+def leaves_watched(model: nn.Module, written: list):
+    """torch.fx runs a leaf module's forward as one layer (trace.py Rule 1): at capture's
+    analysis, here, and again at every replay of it. A leaf whose forward changes its plain
+    attributes would change them more often than plain PyTorch: into ``written`` as
+    watched_attributes says, each put back as it was."""
+    modules = {name: module for name, module in model.named_modules() if not module._modules}
+    before = _snapshot(modules)
+    try:
+        yield
+    finally:
+        changed = _changed(before, _snapshot(modules, copy=False))
+        for qualified, value, _ in changed:
+            owner, _, key = qualified.rpartition(".")
+            if value is _MISSING:
+                delattr(modules[owner], key)
+            else:
+                setattr(modules[owner], key, value)
+        written.extend(changed)
+
+
 _MISSING, _REGISTERED = object(), object()
 
 
@@ -135,23 +156,26 @@ def _leaf_differs(old, new) -> bool:
         return True
 
 
-def assigned_refusal(model: nn.Module, written: list, children: str) -> ValueError:
+def assigned_refusal(model: nn.Module, written: list, children: str,
+                     leaf: bool = False) -> ValueError:
     """The refusal of ``model`` whose forward changed ``written``; ``children``: how to wrap
-    the model's parts instead."""
+    the model's parts instead; ``leaf``: a leaf's forward changed them (leaves_watched)."""
     name, before, after = written[0]
     more = [w[0] for w in written[1:]]
+    why = ("superneurons runs that module's forward as one layer, at capture and again at "
+           "every replay of it, so such an attribute would change more often than under plain "
+           "PyTorch" if leaf else
+           "superneurons runs the graph it captured, not the forward's Python, so over its "
+           "steps such an attribute would keep what it held before the first call (capture "
+           "puts it back), where plain PyTorch assigns it at every call")
     return ValueError(
         f"{type(model).__name__}'s forward assigns {name} ({_shown(before)} before the call, "
         f"{_shown(after)} after it)"
         + (f" and {len(more)} more ({', '.join(more[:3])}{', ...' if len(more) > 3 else ''})"
            if more else "")
-        + ": superneurons runs the graph it captured, not the forward's Python, so over its "
-        "steps such an attribute would keep what it held before the first call (capture puts "
-        "it back), where plain PyTorch assigns it at every call. Keep such "
-        "state "
-        "outside the model (count steps in the training loop and pass the count in as an "
-        "argument, compute the value outside the wrapped module), or wrap the parts of the "
-        "model that do not assign it" + children + "."
+        + ": " + why + ". Keep such state outside the model (count steps in the training "
+        "loop and pass the count in as an argument, compute the value outside the wrapped "
+        "module), or wrap the parts of the model that do not assign it" + children + "."
         + " Where the forward only sets it once (a lazy initialization), call the model once "
         "before wrapping it.")
 

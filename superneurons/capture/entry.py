@@ -1,12 +1,14 @@
 """Capture's entry: the model's call (its arguments, as a user gives them) and which tracer
 captures it (trace.py Rule 1), then the analysis of every layer on the meta device."""
 
+import contextlib
 import logging
 
 import torch
 from torch import nn
 
-from .export import export_graph, hooks_of
+from .assigned import assigned_refusal, leaves_watched
+from .export import children_of, export_graph, hooks_of
 from .graph import LayerGraph
 from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses
@@ -80,7 +82,11 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     # with each input's requires_grad: a frozen model's input may need a gradient
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
-    graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    written = []
+    with leaves_watched(model, written) if in_spec is None else contextlib.nullcontext():
+        graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    if written:
+        raise assigned_refusal(model, written, children_of(model), leaf=True)
     graph.in_spec, graph.out_spec = in_spec, out_spec
     graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -159,7 +159,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "sizes its recurrent layers' steps by the lengths' values: give them padded "
                 "batches, and mask the padding)" if recurrent else "") + "; move it out of the "
                 "forward, or wrap the parts of the model that do not read them in their place"
-                + _children_of(model) + "." + (" Given labels=, a model may read them in the "
+                + children_of(model) + "." + (" Given labels=, a model may read them in the "
                 "loss it computes (HF's heads): call it without labels and compute the loss "
                 "from its logits outside." if "labels" in kwargs else "")) from error
         # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
@@ -210,9 +210,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             "steps they would hold what they held before the first call, where plain PyTorch "
             "sets them at every call. Return such a tensor from the forward instead (an "
             "auxiliary loss, a cache), or wrap the parts of the model that do not assign them"
-            + _children_of(model) + ".")
+            + children_of(model) + ".")
     if written:
-        raise assigned_refusal(model, written, _children_of(model))
+        raise assigned_refusal(model, written, children_of(model))
     return _with_model_state(program, model)
 
 
@@ -227,7 +227,7 @@ def _host_random_state() -> tuple:
     return random.getstate(), (kind, keys.tobytes(), position, has_gauss, gauss)
 
 
-def _children_of(model: nn.Module) -> str:
+def children_of(model: nn.Module) -> str:
     """The model's direct children, named as a user would wrap one in its place."""
     names = [name for name, _ in model.named_children()]
     if not names:
@@ -249,10 +249,10 @@ def _held_object_refusal(model: nn.Module, spec) -> str:
                 "cannot advance that generator, so its steps would not draw what plain PyTorch "
                 "draws. Draw from torch's default generator (seeded by torch.manual_seed), "
                 "whose draws superneurons replays exactly, or wrap the parts of the model "
-                "that do not draw from it" + _children_of(model) + ".")
+                "that do not draw from it" + children_of(model) + ".")
     return (f"{type(model).__name__} holds a {spec.kind.name.lower()} ({spec.target}), an "
             "object torch.export lifts out of the graph, which superneurons cannot run at "
-            "every step. Wrap the parts of the model that do not use it" + _children_of(model)
+            "every step. Wrap the parts of the model that do not use it" + children_of(model)
             + ".")
 
 
