@@ -119,3 +119,17 @@ def test_a_users_leaf_whose_forward_counts_is_refused_and_left_as_it_was():
     with pytest.raises(ValueError, match=r"assigns 1\.calls .*every replay"):
         sn.wrap(model, policy="recompute")(torch.randn(4, 8))
     assert model[1].calls == 0
+
+
+class NumpyNoise(nn.Module):
+    def forward(self, x):
+        import numpy
+        return x + float(numpy.random.rand())
+
+
+def test_a_users_leaf_drawing_from_numpy_is_refused():
+    """Its replay would draw other numbers than its forward did."""
+    pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="np.random.*every replay"):
+        sn.wrap(nn.Sequential(nn.Linear(8, 8), NumpyNoise()), policy="recompute")(
+            torch.randn(4, 8))

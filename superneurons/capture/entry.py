@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .assigned import assigned_refusal, leaves_watched
-from .export import children_of, export_graph, hooks_of
+from .export import children_of, export_graph, hooks_of, host_random_state
 from .graph import LayerGraph
 from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses
@@ -82,11 +82,18 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     # with each input's requires_grad: a frozen model's input may need a gradient
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
-    written = []
+    written, drawn_before = [], host_random_state()
     with leaves_watched(model, written) if in_spec is None else contextlib.nullcontext():
         graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
     if written:
         raise assigned_refusal(model, written, children_of(model), leaf=True)
+    if host_random_state() != drawn_before:       # only a leaf's forward runs here
+        raise ValueError(
+            f"a module of {type(model).__name__} draws random numbers from Python's random or "
+            "numpy's np.random in its forward: superneurons runs that forward as one layer, "
+            "and again at every replay of it, which would draw other numbers than the forward "
+            "did. Draw them with torch (torch.rand, torch.randperm), whose draws superneurons "
+            "replays exactly.")
     graph.in_spec, graph.out_spec = in_spec, out_spec
     graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -128,7 +128,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _fake_like(device, (tuple(args), dict(kwargs)), mode)
     reentrant, assigned, autograd_python, written = [], [], [], []
-    drawn_before = _host_random_state()
+    drawn_before = host_random_state()
     try:
         with _one_capture, _state_on(model, device, mode), \
                 reentrant_checkpoints_refused(reentrant), \
@@ -192,7 +192,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         autograd_python.append("runs a functorch transform (torch.vmap, torch.func)")
     if autograd_python:
         raise autograd_python_refusal(model, autograd_python)
-    if _host_random_state() != drawn_before:
+    if host_random_state() != drawn_before:
         raise ValueError(
             f"{type(model).__name__}'s forward draws random numbers from Python's random or "
             "numpy's np.random (or seeds them): superneurons runs the graph it captured, so its "
@@ -216,7 +216,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
     return _with_model_state(program, model)
 
 
-def _host_random_state() -> tuple:
+def host_random_state() -> tuple:
     """The global generators a forward may draw from outside torch: Python's and numpy's (a
     generator object the model holds is not seen)."""
     try:
