@@ -46,10 +46,12 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         (calibration.py's passed()), each convolution (its forward, replays and backward) runs
         with the allocator limited to the room the budget leaves beside it, so that the cuDNN
         engines PyTorch chooses and keeps have workspaces that fit (workspaces.py): they would
-        otherwise take what the device allows. The engines kept while calibrating were not
-        always enough: later steps of ResNet-101 at batch 896 passed the budget by 120 MiB in
-        4 of 8 steps, and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
-        ab_calibration_resnet101_896.json). Not at every step from the first: a fitted step of
+        otherwise take what the device allows. After a pass every step is fitted, a safety
+        net: later steps of ResNet-101 at batch 896 passed the budget by 120 MiB in 4 of 8
+        steps and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
+        ab_calibration_resnet101_896.json), most likely not for their engines: a fit waits
+        for the device (it returns cached blocks), and waiting before each forward layer
+        alone held them (Rule 10). Not at every step from the first: a fitted step of
         DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines kept 2.0
         (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed one that runs
         out of memory under its limit is retried without it (Rule 5's retry), and the

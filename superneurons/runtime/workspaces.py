@@ -14,8 +14,9 @@ Its free cached blocks are returned first when they are more than that room: the
 what the allocator reserves anew, and a cached block would serve a workspace past it. A backward
 convolution's limit starts before its node runs and is lifted while the node brings its saved
 tensors back. The engines chosen or kept then fit the room of a calibrated step, and later steps
-run them again, at no cost; where a later step still passed the budget (ResNet-101 at batch 896
-peaked 855 MiB above its calibrating steps), every step after it is fitted (executor Rule 9). A
+run them again, at no cost; where a later step still passed the budget, every step after it is
+fitted (executor Rule 9; ResNet-101 at batch 896 peaked 855 MiB above its calibrating steps,
+most likely because its host ran ahead of the device, not for its engines: executor Rule 10). A
 forward convolution that runs out of memory under its limit runs again without it (executor
 Rule 9).
 
