@@ -242,7 +242,8 @@ def _held_object_refusal(model: nn.Module, spec) -> str:
     torch.Generator the forward draws from is the one users meet."""
     generators = [f"{prefix}.{name}" if prefix else name
                   for prefix, module in model.named_modules()
-                  for name, value in vars(module).items() if isinstance(value, torch.Generator)]
+                  for name, value in vars(module).items()
+                  if any(isinstance(v, torch.Generator) for v in pytree.tree_leaves(value))]
     if generators:
         return (f"{type(model).__name__}'s forward draws from a torch.Generator it holds "
                 f"({', '.join(generators[:4])}): superneurons runs the graph it captured, which "
