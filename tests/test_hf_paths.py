@@ -214,3 +214,34 @@ def test_soft_prompt_tuning_of_a_frozen_gpt2_matches_plain():
             run(inputs_embeds=prompt, use_cache=False).logits.pow(2).mean().backward()
         grads.append(prompt.grad)
     assert torch.equal(*grads)
+
+
+def _beit_masked_image_modeling():
+    torch.manual_seed(0)
+    config = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=32,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, use_mask_token=True,
+                                     use_shared_relative_position_bias=True, vocab_size=64)
+    return transformers.BeitForMaskedImageModeling(config).train()
+
+
+def test_a_tensor_named_like_a_mask_that_masks_no_attention_keeps_the_models_path():
+    """BEiT's bool_masked_pos hides patches; taken for an attention mask, capture exported the
+    mask transformers materializes where it runs SDPA on the bias alone: parameters 1.4e-7 off
+    plain's after three AdamW steps, silently."""
+    masked = torch.zeros(2, 16, dtype=torch.bool)
+    masked[0, ::3] = masked[1, 1::2] = True
+    kwargs = dict(pixel_values=torch.randn(2, 3, 32, 32), bool_masked_pos=masked)
+
+    def train(wrap):
+        model = _beit_masked_image_modeling()
+        run, optimizer = wrap(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            run(**kwargs).logits.pow(2).mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = train(lambda model: model)
+    wrapped = train(lambda model: sn.wrap(model, policy="recompute"))
+    assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))

@@ -10,10 +10,10 @@ and under bf16 the repeated heads' gradients are rounded before they are summed.
 graph serves only calls like the one it was captured from (same shapes, and a new capture for
 any other), so it can keep the path the model runs.
 
-Rule 1: while superneurons exports a model holding an HF model, for a call that passes no mask
-        (no tensor argument named like one) and whose positions are one sequence per row,
-        transformers' masking code is told it is not traced (by whichever flags its version
-        asks) and that the positions pack nothing. Whether the call's position_ids pack
+Rule 1: while superneurons exports a model holding an HF model, for a call that passes no
+        attention mask (no tensor argument named *attention_mask) and whose positions are one
+        sequence per row, transformers' masking code is told it is not traced (by whichever
+        flags its version asks) and that the positions pack nothing. Whether the call's position_ids pack
         several sequences is decided as the model decides it, from their values
         (packed_positions, part of the plan's key); positions the model makes itself are one
         sequence per row. A call with a mask or packed positions needs nothing: both paths
@@ -70,7 +70,12 @@ def _named(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 
 def _passes_mask(named: dict) -> bool:
-    return any(isinstance(value, torch.Tensor) and "mask" in name
+    """Whether the call passes an attention mask, which transformers' masking code builds on:
+    not any tensor named like a mask. BEiT's bool_masked_pos (the patches its masked image
+    modeling hides) is no attention mask, and taken for one, capture exported the mask
+    transformers materializes where it runs SDPA on the bias alone: other rounding, silently.
+    Taking a mask of another name for none errs loudly (its values are read in capture)."""
+    return any(isinstance(value, torch.Tensor) and name.endswith("attention_mask")
                for name, value in named.items())
 
 
