@@ -197,7 +197,12 @@ def compare(models: dict, untouched: bool = False, fit=None, offload_moving: boo
     rows = []
     for name, make in models.items():
         base, args, kwargs, loss_of = make()
-        floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
+        try:
+            floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
+        except ValueError as error:          # refused before a step: recorded, with why
+            rows.append({"model": name, "refused": str(error).splitlines()[0][:400]})
+            print(rows[-1], flush=True)
+            continue
         liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
         plain = copy.deepcopy(base)
         expected = train(plain, plain, args, kwargs, loss_of)
