@@ -13,8 +13,8 @@ any other), so it can keep the path the model runs.
 Rule 1: while superneurons exports a model holding an HF model, for a call that passes no
         attention mask (no tensor argument named *attention_mask) and whose positions are one
         sequence per row, transformers' masking code is told it is not traced (by whichever
-        flags its version asks) and that the positions pack nothing. Whether the call's position_ids pack
-        several sequences is decided as the model decides it, from their values
+        flags its version asks) and that the positions pack nothing. Whether the call's
+        position_ids pack several sequences is decided as the model decides it, from their values
         (packed_positions, part of the plan's key); positions the model makes itself are one
         sequence per row. A call with a mask or packed positions needs nothing: both paths
         materialize its mask. The switches are installed once and act only in the thread
