@@ -245,3 +245,18 @@ def test_a_tensor_named_like_a_mask_that_masks_no_attention_keeps_the_models_pat
     plain = train(lambda model: model)
     wrapped = train(lambda model: sn.wrap(model, policy="recompute"))
     assert all(torch.equal(a, b) for a, b in zip(plain, wrapped))
+
+
+def test_a_loss_that_cannot_be_planned_says_to_compute_it_outside():
+    """ELECTRA's pre-training head indexes by the labels' values in its own loss."""
+    torch.manual_seed(0)
+    config = transformers.ElectraConfig(vocab_size=64, embedding_size=16, hidden_size=32,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=64)
+    model = transformers.ElectraForPreTraining(config).train()
+    ids, mask = torch.randint(4, 64, (2, 8)), torch.ones(2, 8, dtype=torch.long)
+    mask[1, -3:] = 0                   # the head's loss keeps the positions the mask keeps
+    with pytest.raises(ValueError, match="call it without labels"):
+        sn.wrap(model, policy="recompute")(input_ids=ids, attention_mask=mask,
+                                           labels=torch.randint(0, 2, (2, 8)))
+    sn.wrap(model, policy="recompute")(input_ids=ids, attention_mask=mask).logits.sum().backward()

@@ -83,8 +83,17 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
     written, drawn_before = [], host_random_state()
-    with leaves_watched(model, written) if in_spec is None else contextlib.nullcontext():
-        graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    try:
+        with leaves_watched(model, written) if in_spec is None else contextlib.nullcontext():
+            graph = Analyzer(gm, autocast, exported=in_spec is not None).run(meta)
+    except ValueError as error:
+        if "labels" not in kwargs:
+            raise
+        # HF heads compute their loss from the labels given, some by indexing with values
+        # (ELECTRA's pre-training head): the loss outside is the model's part that plans
+        raise ValueError(f"{error} Given labels=, the model computes its own loss from them: "
+                         "call it without labels and compute the loss from its logits "
+                         "outside.") from error
     if written:
         raise assigned_refusal(model, written, children_of(model), leaf=True)
     if host_random_state() != drawn_before:       # only a leaf's forward runs here
