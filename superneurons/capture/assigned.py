@@ -60,7 +60,9 @@ def watched_attributes(model: nn.Module, written: list):
                 finally:
                     written.extend(_changed(before, _snapshot(modules, copy=False)))
         finally:
-            _remove_created(modules, written)
+            # export put back what was there (``__dict__.update``), not what the forward
+            # created, which holds capture's values (fake tensors among them)
+            _put_back(modules, written)
     trace._detect_attribute_assignment = watching
     try:
         yield
@@ -71,37 +73,37 @@ def watched_attributes(model: nn.Module, written: list):
 @contextlib.contextmanager
 def leaves_watched(model: nn.Module, written: list):
     """torch.fx runs a leaf module's forward as one layer (trace.py Rule 1): at capture's
-    analysis, here, and again at every replay of it. A leaf whose forward changes its plain
-    attributes would change them more often than plain PyTorch: into ``written`` as
-    watched_attributes says, each put back as it was."""
-    modules = {name: module for name, module in model.named_modules() if not module._modules}
+    analysis, here, and again at every replay of it. A user's leaf whose forward changes its
+    plain attributes would change them more often than plain PyTorch: into ``written`` as
+    watched_attributes says, each put back as it was. torch.nn's and the zoo's leaves are
+    not watched: their forwards write no plain attribute, and a zoo network has thousands."""
+    modules = {name: module for name, module in model.named_modules()
+               if not module._modules and not type(module).__module__.startswith(
+                   ("torch.nn.", "superneurons.models"))}
     before = _snapshot(modules)
     try:
         yield
     finally:
         changed = _changed(before, _snapshot(modules, copy=False))
-        for qualified, value, _ in changed:
-            owner, _, key = qualified.rpartition(".")
-            if value is _MISSING:
-                delattr(modules[owner], key)
-            else:
-                setattr(modules[owner], key, value)
+        _put_back(modules, changed)
         written.extend(changed)
 
 
 _MISSING, _REGISTERED = object(), object()
 
 
-def _remove_created(modules: dict, written: list) -> None:
-    """export puts back the attributes there before the call (``__dict__.update``) and leaves
-    those the forward created, holding capture's values (fake tensors among them): those
-    refused here are removed, so that the model is left as it was."""
-    for qualified, before, _ in written:
-        if before is _MISSING:
-            owner, _, key = qualified.rpartition(".")
-            module = modules.get(owner)
-            if module is not None and key in vars(module):
-                delattr(module, key)
+def _put_back(modules: dict, changed: list) -> None:
+    """Each of ``changed`` (qualified name, before, after) as it was before: an attribute the
+    forward created removed, so that a refused model is left as it was."""
+    for qualified, before, _ in changed:
+        owner, _, key = qualified.rpartition(".")
+        module = modules[owner]
+        if before is _REGISTERED:
+            continue                           # a submodule's name: not a plain attribute
+        if before is not _MISSING:
+            setattr(module, key, before)
+        elif key in vars(module):
+            delattr(module, key)
 
 
 def _snapshot(modules: dict, copy: bool = True) -> dict:
