@@ -8,7 +8,7 @@ are marked by small allocations on a stream of their own, which the trace keeps 
 each step's allocated bytes can be read per boundary and the two steps compared where they part.
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
-        [--steps 3] [--sync forward|backward|both] [--no-record]
+        [--steps 3] [--sync forward|backward|both] [--no-record] [--pace device|compute-stream]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
@@ -128,8 +128,15 @@ def main():
                              "node (backward) or both: does a host running ahead of the device "
                              "make the peak?")
     parser.add_argument("--no-record", action="store_true", help="peaks only, no trace")
+    parser.add_argument("--pace", choices=("device", "compute-stream"), default="compute-stream",
+                        help="what executor Rule 10 waits for before each forward layer: the "
+                             "compute stream alone (the runtime's), which leaves the pool's "
+                             "copies running, or the whole device")
     args = parser.parse_args()
     import superneurons as sn
+    from superneurons.runtime import executor as executor_module
+    if args.pace == "device":
+        executor_module._wait_for_compute = torch.cuda.synchronize
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
@@ -151,11 +158,12 @@ def main():
     for row in rows[1:] if "mark_names" in trusting else ():   # long curves: every 8th
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
-    name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + ".json"
+    name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
+        ("_pace_device" if args.pace == "device" else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
-        "budget_gib": BUDGET_GIB, "sync": args.sync, "steps": rows, "parted": parted})
+        "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace, "steps": rows, "parted": parted})
 
 
 if __name__ == "__main__":

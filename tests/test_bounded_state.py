@@ -185,6 +185,7 @@ def test_a_collected_wrapper_gives_back_its_host_memory():
 def test_a_closed_host_store_gives_back_chunks_once_their_regions_return(monkeypatch):
     """host.py Rule 5: at close, a chunk no region is carved from goes at once, and its pinned
     pages go back to the system; a chunk a live region still uses goes when it returns."""
+    monkeypatch.setattr(host.pages, "MAPPABLE", False)    # PyTorch's pinned allocator
     real_empty = torch.empty
     monkeypatch.setattr(host.torch, "empty", lambda *args, pin_memory=False, **kwargs:
                         real_empty(*args, **kwargs))             # "pinned" on the CPU
@@ -391,6 +392,7 @@ def test_a_region_whose_copy_may_still_run_is_reused_behind_a_fence_not_a_host_w
     """host.py Rule 4: with a fence, a region released while its host-to-device copy may run
     is reused at once, and copies into regions handed out after wait for the fence's event
     until it completes; without one, the host waits for the copy."""
+    monkeypatch.setattr(host.pages, "MAPPABLE", False)    # PyTorch's pinned allocator
     real_empty = torch.empty
     monkeypatch.setattr(host.torch, "empty", lambda *args, pin_memory=False, **kwargs:
                         real_empty(*args, **kwargs))             # "pinned" on the CPU

@@ -386,6 +386,7 @@ def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):
     doubles what is pinned; a system that will not pin a chunk gets a smaller one, then pageable
     memory: slower copies, not a failed step."""
     from superneurons.runtime import host
+    monkeypatch.setattr(host.pages, "MAPPABLE", False)    # PyTorch's pinned allocator
     real_empty = torch.empty
     pinned = []
 

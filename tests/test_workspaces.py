@@ -354,17 +354,19 @@ def test_a_wrapped_forward_gives_back_a_limit_a_raising_backward_left(monkeypatc
 
 
 @needs_cuda
-def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_device(monkeypatch):
+def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_stream(
+        monkeypatch):
     """Executor Rule 10: the pool decides from the copies it finds finished, so the host does
-    not run layers ahead of the device where the step moves data; a step that moved nothing
-    before runs ahead as PyTorch does."""
+    not run layers ahead of the compute stream where the step moves data; a step that moved
+    nothing before runs ahead as PyTorch does."""
+    from superneurons.runtime import executor as executor_module
     x = torch.randn(32, 64, 56, 56, device="cuda")
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
-    synchronize, waits = torch.cuda.synchronize, []
-    monkeypatch.setattr(torch.cuda, "synchronize",
-                        lambda device=None: (waits.append(device), synchronize(device)))
+    wait, waits = executor_module._wait_for_compute, []
+    monkeypatch.setattr(executor_module, "_wait_for_compute",
+                        lambda device: (waits.append(device), wait(device)))
     moved, paced = [], []
     for _ in range(3):
         waits.clear()

@@ -142,6 +142,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         if autograd_python:     # seen before export failed: the cause the user can act on
             raise autograd_python_refusal(model, autograd_python) from error
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
+        # torch 2.11's export fails on a generator argument; later ones lift it (Rule 1)
+        generators = _held_generators(model) if "Generator" in str(error) else []
+        if generators:
+            raise ValueError(_generator_refusal(model, generators)) from error
         # a value read as a size reaches export as a fake tensor where ints are due (a
         # PackedSequence's batch sizes, in a recurrent layer)
         sized = "but got FakeTensor" in str(error)
@@ -237,20 +241,29 @@ def children_of(model: nn.Module) -> str:
             f"{first} = sn.wrap({first}, ...) wraps one)")
 
 
+def _held_generators(model: nn.Module) -> list:
+    """Where the model's modules hold a torch.Generator (in lists and dicts too)."""
+    return [f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            for name, value in vars(module).items()
+            if any(isinstance(v, torch.Generator) for v in pytree.tree_leaves(value))]
+
+
+def _generator_refusal(model: nn.Module, generators: list) -> str:
+    return (f"{type(model).__name__}'s forward draws from a torch.Generator it holds "
+            f"({', '.join(generators[:4])}): superneurons runs the graph it captured, which "
+            "cannot advance that generator, so its steps would not draw what plain PyTorch "
+            "draws. Draw from torch's default generator (seeded by torch.manual_seed), whose "
+            "draws superneurons replays exactly, or wrap the parts of the model that do not "
+            "draw from it" + children_of(model) + ".")
+
+
 def _held_object_refusal(model: nn.Module, spec) -> str:
     """Export lifts objects the model holds out of the graph (a custom object input): a
     torch.Generator the forward draws from is the one users meet."""
-    generators = [f"{prefix}.{name}" if prefix else name
-                  for prefix, module in model.named_modules()
-                  for name, value in vars(module).items()
-                  if any(isinstance(v, torch.Generator) for v in pytree.tree_leaves(value))]
+    generators = _held_generators(model)
     if generators:
-        return (f"{type(model).__name__}'s forward draws from a torch.Generator it holds "
-                f"({', '.join(generators[:4])}): superneurons runs the graph it captured, which "
-                "cannot advance that generator, so its steps would not draw what plain PyTorch "
-                "draws. Draw from torch's default generator (seeded by torch.manual_seed), "
-                "whose draws superneurons replays exactly, or wrap the parts of the model "
-                "that do not draw from it" + children_of(model) + ".")
+        return _generator_refusal(model, generators)
     return (f"{type(model).__name__} holds a {spec.kind.name.lower()} ({spec.target}), an "
             "object torch.export lifts out of the graph, which superneurons cannot run at "
             "every step. Wrap the parts of the model that do not use it" + children_of(model)

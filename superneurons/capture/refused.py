@@ -27,14 +27,21 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
         one, whose hand-written backward differs from autograd's in the last bits; a
         backward that is not the forward's derivative differs by any amount). A
         torch.library.custom_op with register_autograd is captured whole, and trains bit for
-        bit.
+        bit. torch's Functions whose output carries no gradient are let through
+        (_DROPPED_EXACTLY).
 """
 
 import contextlib
 import threading
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
+
+# torch's Functions whose backward dropping leaves the gradients as they are: non-reentrant
+# checkpointing's holder of the inputs, whose output no gradient flows through (its backward
+# raises if called); torch 2.11 applies it in every torch.utils.checkpoint call
+_DROPPED_EXACTLY = {getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)} - {None}
 
 # HF model types sharing T5's attention with a relative position bias (Rule 3)
 _T5_FAMILY = {"t5", "mt5", "umt5", "longt5", "switch_transformers"}
@@ -131,7 +138,8 @@ def autograd_python_watched(seen: list):
     def applied(cls, *args, **kwargs):
         # torch.library's custom ops run their register_autograd as a Function of torch's own
         # (torch._library.autograd), inside the op export records whole
-        if not cls.__module__.startswith("torch._library.") and torch.is_grad_enabled() and \
+        if not cls.__module__.startswith("torch._library.") and cls not in _DROPPED_EXACTLY \
+                and torch.is_grad_enabled() and \
                 threading.get_ident() == capturing and \
                 any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in torch.utils._pytree.tree_leaves((args, kwargs))):

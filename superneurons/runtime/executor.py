@@ -58,16 +58,18 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         calibration is not made again for it: the limit failed, not the plan. A backward
         one's out-of-memory is autograd's, beyond reach (Rule 5).
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward runs each layer
-        only once the device has done the work queued before it. The pool decides at every
-        boundary from the copies it finds finished (Rules 6 and 8): with the host layers ahead
-        of the device, it decided on a device that was not there yet, and the steps that
+        only once the compute stream has run the work queued on it before. The pool decides at
+        every boundary from the copies it finds finished (Rules 6 and 8): with the host layers
+        ahead of the device, it decided on a device that was not there yet, and the steps that
         trusted their calibration peaked above those that calibrated (whose fitted
         convolutions also waited): ResNet-101 at batch 896 by 855 MiB, past its budget, at
-        3.85 s a step; waiting before each forward layer, its steps held 10.70 GiB at 4.05-4.07
-        s; waiting in backward changed nothing (diagnose_trusting_peak_resnet101_896_*.json).
-        In the claims it cost later steps 3-15% (claims_paced_76593b4.json). Why the pool's
-        accounting lets the peak differ was not found; waiting for the compute stream alone,
-        which would keep copies overlapping, was not measured.
+        3.85 s a step; waiting for the whole device before each forward layer, its steps held
+        10.70 GiB at 4.05-4.07 s; waiting in backward changed nothing
+        (diagnose_trusting_peak_resnet101_896_*.json). Waiting for the compute stream alone
+        leaves the pool's copies running on theirs: in one device command its trusting steps
+        held 10.78 GiB in 3.86-3.88 s, against 10.70 GiB in 4.00-4.16 s waiting for the device
+        (diagnose_trusting_peak_resnet101_896_pace_*.json). Why the pool's accounting lets the
+        peak differ was not found.
 """
 
 import logging
@@ -93,6 +95,12 @@ from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
+
+
+def _wait_for_compute(device: torch.device) -> None:
+    """Rule 10: the host goes on once the compute stream has run all queued on it before; the
+    pool's copies on their own streams run on."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _getter(owner, dotted: str):
@@ -294,7 +302,7 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
                 if self.paced:
-                    torch.cuda.synchronize(self.device)                      # Rule 10
+                    _wait_for_compute(self.device)                           # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,

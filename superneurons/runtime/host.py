@@ -7,8 +7,9 @@ Rule 1: memory is pinned when an offload needs it, never for all a plan could of
         a 5 GiB budget, 16 GiB at 11.5) spent 41.5 and 8.5 s of host time in `torch.empty`
         (benchmarks/results/profile_first_step.json, planner_costs_densenet_host_before.json).
         Each new chunk doubles what is pinned, up to MAX_CHUNK_BYTES.
-Rule 2: PyTorch's pinned allocator rounds every request up to a power of two, so chunks are
-        powers of two: all that is page-locked is used.
+Rule 2: chunks are powers of two: mapped here they are whole 2 MiB pages (pages.py), and
+        PyTorch's pinned allocator, where it pins them, rounds every request up to one, so all
+        that is page-locked is used.
 Rule 3: where the system will not pin a chunk, a smaller one is tried, down to the region's own
         size; then pageable memory, and no more pinning: slower copies rather than a failed step
         (Inception-v4's offloads at batch 400 could not all be pinned on a 128 GiB machine:
@@ -20,20 +21,21 @@ Rule 4: a region whose host-to-device copy may still be running is reused only o
         host waited at every offload that found no free region (cudaEventSynchronize, 13-21 ms
         of a 160-310 ms step, benchmarks/results/profile_ratio.json), and a host that waits
         for the device leaves it idle once it runs again.
-Rule 5: a closed store gives its chunks back: at once those no region is carved from, with their
-        pinned pages returned to the system (PyTorch's pinned allocator would keep them cached,
-        page-locked, for the life of the process); the others when their last region returns (a
-        handle of a step in flight still reads it), to PyTorch's pinned allocator. A store is
-        closed when its plan is dropped (module.py Rule 5), rarely: a new plan captures again,
-        which costs more than pinning again. Returning pages empties PyTorch's whole pinned
-        cache, the user's unused blocks (a DataLoader's) included: they are pinned again when
-        next asked for.
-Rule 6: before its first pinned chunk the store has PyTorch map the pages on PINNING_THREADS
-        threads and then register them (pinned_use_cuda_host_register), unless the user set
-        any pinned option: cudaHostAlloc pins 1.85 GiB/s on the H200's host, so a first step
-        pinning 65 GiB spent half a minute there; registering pins 7.1 GiB/s with 8 threads set
-        at run time and 8.8 with 16 (benchmarks/results/pinning.json). The setting is the
-        process's: the user's own pinned tensors (a DataLoader's) pin faster too.
+Rule 5: a closed store gives its chunks back: at once those no region is carved from, the others
+        when their last region returns (a handle of a step in flight still reads it). Chunks
+        mapped here are unregistered then (pages.py Rule 2). Where PyTorch's pinned allocator
+        pinned them, those given back at once have their pages returned to the system (the
+        allocator would keep them cached, page-locked, for the life of the process), which
+        empties its whole cache, the user's unused blocks (a DataLoader's) included; the
+        others go back to that cache. A store is closed when its plan is dropped (module.py
+        Rule 5), rarely: a new plan captures again, which costs more than pinning again.
+Rule 6: where PyTorch's pinned allocator pins (not Linux; and the state tier, state.py), the
+        store first has it map the pages on PINNING_THREADS threads and then register them
+        (pinned_use_cuda_host_register), unless the user set any pinned option: cudaHostAlloc
+        pins 1.85 GiB/s on the H200's host, so a first step pinning 65 GiB spent half a minute
+        there; registering pins 7.1 GiB/s with 8 threads set at run time and 8.8 with 16
+        (benchmarks/results/pinning.json). The setting is the process's: the user's own
+        pinned tensors (a DataLoader's) pin faster too.
 """
 
 import logging
@@ -43,6 +45,7 @@ import warnings
 
 import torch
 
+from . import pages
 from ..units import format_bytes
 
 log = logging.getLogger(__name__)   # INFO: pinning a chunk takes seconds; the CLI shows it
@@ -55,10 +58,10 @@ MAX_CHUNK_BYTES = 8 << 30
 
 
 class _Chunk:
-    __slots__ = ("buffer", "pinned", "free", "deferred")
+    __slots__ = ("buffer", "pinned", "mapped", "free", "deferred")
 
-    def __init__(self, buffer: torch.Tensor, pinned: bool):
-        self.buffer, self.pinned = buffer, pinned
+    def __init__(self, buffer: torch.Tensor, pinned: bool, mapped: bool = False):
+        self.buffer, self.pinned, self.mapped = buffer, pinned, mapped
         self.free = [(0, buffer.numel())]    # (offset, size), sorted by offset
         self.deferred = []                   # (offset, size, event): free once event completes
 
@@ -86,6 +89,12 @@ class _Chunk:
                 event.synchronize()
             self.insert(offset, size)
         return bool(deferred)
+
+    def give_back(self) -> None:
+        """Rule 5, once no copy reads it: pages mapped here are unregistered (pages.py Rule 2);
+        PyTorch's go back to its pinned allocator when the last region lets go."""
+        if self.mapped and self.pinned:
+            pages.unregister(self.buffer)
 
     def insert(self, offset: int, size: int) -> None:
         self.free.append((offset, size))
@@ -158,18 +167,18 @@ class HostMemory:
                 return
         chunk.insert(offset, size)
         if self.closed and chunk.unused:
-            # the caller still holds the region: the pages go back to PyTorch's pinned
-            # allocator when it lets go, not to the system (Rule 5)
-            del self.chunks[region.untyped_storage().data_ptr()]
+            # the caller still holds the region: its pages go when it lets go (Rule 5)
+            self.chunks.pop(region.untyped_storage().data_ptr()).give_back()
 
     def close(self) -> None:
         """Rule 5: give back every chunk no region is carved from; the rest as they empty."""
         self.closed = True
         # comprehensions, not loops: a loop variable would keep the last chunk's pages alive
         [chunk.reclaim() for chunk in self.chunks.values()]
-        unused = [key for key, chunk in self.chunks.items() if chunk.unused]
-        pinned = [self.chunks.pop(key).pinned for key in unused]
-        if any(pinned):
+        unused = [self.chunks.pop(key) for key, chunk in list(self.chunks.items())
+                  if chunk.unused]
+        [chunk.give_back() for chunk in unused]
+        if any(chunk.pinned and not chunk.mapped for chunk in unused):
             _return_pinned_pages()
 
     def _grow(self, size: int) -> _Chunk:
@@ -179,21 +188,32 @@ class HostMemory:
         buffer, pinned = None, self.pin
         log.info("taking %s of %s host memory for offloads (%s held)", format_bytes(want),
                  "pinned" if self.pin else "pageable", format_bytes(self.capacity))
-        if self.pin:
-            _pin_with_threads()
+        mapped = False
         while self.pin and want >= size:
-            try:
-                buffer = torch.empty(want, dtype=torch.uint8, pin_memory=True)
+            buffer, pinned, mapped = _pinned(want)
+            if buffer is not None:
                 break
-            except RuntimeError:                                             # Rule 3
-                want //= 2
+            want //= 2                                                       # Rule 3
         if buffer is None:
-            self.pin = pinned = False
+            pinned = False
             buffer = _pageable(max(want, size), size, self.capacity)
-        chunk = _Chunk(buffer, pinned)
+        self.pin = self.pin and pinned
+        chunk = _Chunk(buffer, pinned, mapped)
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         self.taking_seconds += time.perf_counter() - began
         return chunk
+
+
+def _pinned(num_bytes: int) -> tuple:
+    """(chunk, pinned, mapped here), the chunk None where the system will not give that much."""
+    if pages.MAPPABLE:
+        taken = pages.pinned_chunk(num_bytes)                            # pages.py Rule 1
+        return (*taken, True) if taken is not None else (None, False, False)
+    _pin_with_threads()
+    try:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True), True, False
+    except RuntimeError:
+        return None, False, False
 
 
 def _aligned(num_bytes: int) -> int:

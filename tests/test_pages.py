@@ -1,0 +1,91 @@
+"""The host store's own pinned pages (runtime/pages.py): mapped, registered with CUDA,
+unregistered when given back, pageable where registering is refused. CUDA's calls are faked on
+the CPU; the last test runs them on a GPU."""
+
+import pytest
+import torch
+
+from superneurons.runtime import host, pages
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class FakeCudart:
+    def __init__(self, refuse: bool = False):
+        self.refuse, self.registered, self.unregistered = refuse, [], []
+
+    def cudaHostRegister(self, pointer, size, flags):
+        if self.refuse:
+            return 1
+        self.registered.append((pointer, size))
+        return 0
+
+    def cudaHostUnregister(self, pointer):
+        self.unregistered.append(pointer)
+        return 0
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    return fake
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_mapped_chunks_are_registered_and_unregistered_once_no_region_uses_them(cudart):
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    regions = [memory.alloc(1000) for _ in range(5)]            # two chunks of 4096
+    assert [size for _, size in cudart.registered] == [4096, 4096]
+    assert memory.pinned_bytes == 8192
+    regions[0].fill_(7)
+    assert regions[0].sum().item() == 7 * 1000                   # host memory as any other
+    for region in regions[:4]:
+        memory.release(region)                                   # the first chunk is unused
+    memory.close()
+    first, second = (pointer for pointer, _ in cudart.registered)
+    assert cudart.unregistered == [first]                        # given back at once
+    memory.release(regions[4])
+    assert cudart.unregistered == [first, second]                # once its last region returns
+    assert memory.capacity == 0
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_a_refused_registration_leaves_pageable_memory_and_its_error_read_off(monkeypatch):
+    """pages.py Rule 3, host Rule 3: the chunk is used unpinned, and no more is pinned."""
+    fake = FakeCudart(refuse=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    read_off = []
+    monkeypatch.setattr(pages, "_read_off_last_error", lambda: read_off.append(True))
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    assert memory.alloc(1000).numel() == 1000
+    assert read_off == [True] and memory.pinned_bytes == 0 and not memory.pin
+    memory.close()
+    assert fake.unregistered == []                               # nothing was registered
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_a_chunk_past_the_memory_available_is_halved_not_touched(cudart, monkeypatch):
+    """Touching pages the host lacks would bring the out-of-memory killer (pages.py)."""
+    monkeypatch.setattr(pages, "_available", lambda: 3000)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
+    assert memory.alloc(1000).numel() == 1000
+    assert memory.capacity == 2048 and [size for _, size in cudart.registered] == [2048]
+
+
+@needs_cuda
+def test_on_cuda_mapped_pages_are_pinned_copy_both_ways_and_are_unpinned_when_given_back():
+    memory = host.HostMemory(pin=True, first_chunk_bytes=1 << 21)
+    region = memory.alloc(1 << 20)
+    assert region.is_pinned() and memory.pinned_bytes == 1 << 21
+    source = torch.arange(1 << 20, device="cuda", dtype=torch.int32).view(torch.uint8)[:1 << 20]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        region.copy_(source, non_blocking=True)
+        back = torch.empty_like(source).copy_(region, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, source)
+    chunk = next(iter(memory.chunks.values())).buffer
+    memory.release(region)
+    memory.close()
+    assert not chunk.is_pinned() and memory.capacity == 0
