@@ -71,6 +71,34 @@ def test_a_chunk_past_the_memory_available_is_halved_not_touched(cudart, monkeyp
     memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
     assert memory.alloc(1000).numel() == 1000
     assert memory.capacity == 2048 and [size for _, size in cudart.registered] == [2048]
+    memory.close()
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_a_store_collected_unclosed_keeps_its_pages_mapped_until_they_are_unregistered(cudart):
+    """pages.py Rule 2: pages unmapped while CUDA has them registered leave a registration that
+    later copies from memory mapped at those addresses fail on."""
+    import gc
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    memory.alloc(1000)
+    [(pointer, _)] = cudart.registered
+    assert not pages._registered[pointer].closed
+    del memory
+    gc.collect()                                  # the chunk's last tensor went with the store
+    assert cudart.unregistered == [pointer]       # unregistered, and only then unmapped
+    assert pointer not in pages._registered
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_a_chunk_cuda_will_not_unregister_stays_mapped(cudart, monkeypatch):
+    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda pointer: 1)
+    monkeypatch.setattr(pages, "_read_off_last_error", lambda: None)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    memory.alloc(1000)
+    [(pointer, _)] = cudart.registered
+    memory.close()
+    assert pointer in pages._registered
+    pages._registered.pop(pointer)
 
 
 @needs_cuda

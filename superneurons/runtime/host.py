@@ -28,7 +28,8 @@ Rule 5: a closed store gives its chunks back: at once those no region is carved 
         allocator would keep them cached, page-locked, for the life of the process), which
         empties its whole cache, the user's unused blocks (a DataLoader's) included; the
         others go back to that cache. A store is closed when its plan is dropped (module.py
-        Rule 5), rarely: a new plan captures again, which costs more than pinning again.
+        Rule 5), rarely: a new plan captures again, which costs more than pinning again. One
+        collected without being closed unregisters its chunks mapped here (pages.py Rule 2).
 Rule 6: where PyTorch's pinned allocator pins (not Linux; and the state tier, state.py), the
         store first has it map the pages on PINNING_THREADS threads and then register them
         (pinned_use_cuda_host_register), unless the user set any pinned option: cudaHostAlloc
@@ -42,6 +43,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -119,6 +121,8 @@ class HostMemory:
         self.chunks: dict = {}               # data_ptr of a chunk's storage -> _Chunk
         self.closed = False
         self.taking_seconds = 0.0            # host time spent taking chunks (StepStats)
+        # pages.py Rule 2; not at exit, where the process's pages go with it
+        weakref.finalize(self, _collected, self.chunks).atexit = False
 
     @property
     def capacity(self) -> int:
@@ -202,6 +206,13 @@ class HostMemory:
         self.chunks[buffer.untyped_storage().data_ptr()] = chunk
         self.taking_seconds += time.perf_counter() - began
         return chunk
+
+
+def _collected(chunks: dict) -> None:
+    """A store collected without being closed (its executor dropped otherwise than with its
+    plan): CUDA unregisters its chunks mapped here (pages.py Rule 2)."""
+    pages.unregister_after_the_device([chunk.buffer for chunk in chunks.values()
+                                       if chunk.mapped and chunk.pinned])
 
 
 def _pinned(num_bytes: int) -> tuple:

@@ -8,9 +8,14 @@ Rule 1: a chunk is an anonymous private mapping advised to use 2 MiB pages (wher
         registering on 16 threads (benchmarks/results/pinning_hugepages_2.json). Where the
         system has no such mappings (not Linux), PyTorch's pinned allocator pins the chunk.
 Rule 2: a chunk is unregistered when the store gives it back, once no copy reads it (host Rule
-        5); its pages return to the system when the last tensor viewing them is freed, which
-        unmaps them. The user's own pinned tensors are left to PyTorch's allocator and its
-        settings: the store neither changes those settings nor empties that cache.
+        5), or when a store never closed is collected, once the device has finished its work.
+        Until then this module holds the chunk's mapping: pages unmapped while registered leave
+        CUDA a registration that later copies from whatever is mapped at those addresses meet
+        (a pageable copy failed with cudaErrorAlreadyMapped in the GPU suite when a collected
+        store's pages went with their last tensor). Once unregistered, the pages return to the
+        system when the last tensor viewing them is freed. The user's own pinned tensors are
+        left to PyTorch's allocator and its settings: the store neither changes those
+        settings nor empties that cache.
 Rule 3: a registration the system refuses (a memlock limit) leaves CUDA's last error set, which
         PyTorch's next kernel launch would raise as its own: it is read off at once, and the
         chunk is used as pageable memory.
@@ -22,6 +27,7 @@ import torch
 
 MAPPABLE = hasattr(mmap, "MAP_ANONYMOUS")
 _PORTABLE = 1                      # cudaHostRegisterPortable: pinned for every device's context
+_registered: dict = {}             # Rule 2: a registered chunk's address -> its mapping
 
 
 def pinned_chunk(num_bytes: int) -> tuple | None:
@@ -38,7 +44,10 @@ def pinned_chunk(num_bytes: int) -> tuple | None:
         area.madvise(mmap.MADV_HUGEPAGE)
     chunk = torch.frombuffer(area, dtype=torch.uint8)   # keeps the mapping while it lives
     chunk.fill_(0)                                      # the page faults, on torch's threads
-    return chunk, _register(chunk)
+    registered = _register(chunk)
+    if registered:
+        _registered[chunk.data_ptr()] = area
+    return chunk, registered
 
 
 def _register(chunk: torch.Tensor) -> bool:
@@ -50,9 +59,23 @@ def _register(chunk: torch.Tensor) -> bool:
 
 
 def unregister(chunk: torch.Tensor) -> None:
-    """Rule 2: the pages are pageable again (no copy may read them any more)."""
+    """Rule 2: the pages are pageable again (no copy may read them any more); where CUDA
+    refuses, they stay mapped."""
     if int(torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())) != 0:
         _read_off_last_error()
+        return
+    _registered.pop(chunk.data_ptr(), None)
+
+
+def unregister_after_the_device(chunks: list) -> None:
+    """Rule 2 for a store collected unclosed: copies into and out of its chunks may still run.
+    While a CUDA graph is captured nothing may wait: the chunks stay registered and mapped."""
+    if not chunks or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+    for chunk in chunks:
+        unregister(chunk)
 
 
 def _read_off_last_error() -> None:
