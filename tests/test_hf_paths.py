@@ -260,3 +260,35 @@ def test_a_loss_that_cannot_be_planned_says_to_compute_it_outside():
         sn.wrap(model, policy="recompute")(input_ids=ids, attention_mask=mask,
                                            labels=torch.randint(0, 2, (2, 8)))
     sn.wrap(model, policy="recompute")(input_ids=ids, attention_mask=mask).logits.sum().backward()
+
+
+def _perceiver():
+    torch.manual_seed(0)
+    config = transformers.PerceiverConfig(num_latents=8, d_latents=32, d_model=32, num_blocks=1,
+                                          num_self_attends_per_block=2,
+                                          num_self_attention_heads=4,
+                                          num_cross_attention_heads=1, num_labels=10,
+                                          attention_probs_dropout_prob=0.1)
+    return transformers.PerceiverForImageClassificationFourier(config).train()
+
+
+def test_a_mask_the_model_builds_itself_is_refused_naming_the_part_to_wrap():
+    """hf.py Rule 3: Perceiver's own mask of ones is read by transformers to be skipped; its
+    encoder, given the mask already skipped, trains bit for bit wrapped in its place."""
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([3, 7])
+    with pytest.raises(ValueError, match=r"masking_utils.*perceiver\.encoder.*model\.perceiver"
+                                         r"\.encoder = sn\.wrap"):
+        sn.wrap(_perceiver(), policy="recompute")(pixel_values=pixels, labels=labels)
+
+    def encoder_wrapped(model):
+        model.perceiver.encoder = sn.wrap(model.perceiver.encoder, policy="recompute")
+        return model
+    kwargs = dict(pixel_values=pixels, labels=labels)
+    plain = _train(lambda model: model, kwargs, steps=3, build=_perceiver, autocast=False)
+    wrapped = _train(encoder_wrapped, kwargs, steps=3, build=_perceiver, autocast=False)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], wrapped[0])), "losses differ"
+    for part in (1, 2):        # gradients, parameters: the wrapper adds a level to the names
+        assert len(plain[part]) == len(wrapped[part])
+        assert all(torch.equal(a, b) for a, b in zip(plain[part].values(),
+                                                     wrapped[part].values()))

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .assigned import assigned_refusal, watched_attributes
 from .export_said import said_by_export, stale_attributes
-from .hf import exported_as_called
+from .hf import exported_as_called, mask_read_refusal
 from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
                       reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported)
 
@@ -154,6 +154,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                              m.momentum is None for m in model.modules())
             recurrent = sized and any(isinstance(m, nn.RNNBase) for m in model.modules())
             where = _where_read(error)
+            said = mask_read_refusal(model, where)
+            if said:
+                raise ValueError(said) from error
             raise ValueError(
                 f"superneurons could not capture {type(model).__name__}: {message}"
                 + (f" (read at {where})" if where else "") + ". Code that "

@@ -24,6 +24,12 @@ Rule 2: a 2-D attention_mask (bool or integer) that masks nothing is dropped fro
         such masks when it runs, but cannot when exported). A 4-D mask is the user's own
         pattern and stays, as does a mask that masks something. Reading it costs one small
         reduction and a host sync per step, as reading packed positions does.
+Rule 3: a model that builds its own mask of ones (Perceiver, from its inputs) meets, under Rule
+        1, transformers' own read of that mask's values to skip it, which export cannot
+        capture; the traced path would materialize it instead and round otherwise. Refused
+        before the first step, naming the parts below the mask's making (the mask they are
+        passed has been skipped already): wrapped in its place, Perceiver's encoder trains bit
+        for bit.
 """
 
 import contextlib
@@ -41,6 +47,28 @@ _local = threading.local()       # .as_called: this thread is exporting a call a
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model`` is, or holds, a transformers model."""
     return any(type(m).__module__.startswith("transformers.") for m in model.modules())
+
+
+def mask_read_refusal(model: nn.Module, where: str | None) -> str | None:
+    """Rule 3: what to say where export failed on transformers' masking code reading a mask's
+    values (``where``: the read's place), else None."""
+    if not where or "transformers/masking_utils.py" not in where or not is_hf_model(model):
+        return None
+    where = where[where.index("transformers/masking_utils.py"):]
+    parts = []
+    for name, _ in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("encoder", "decoder", "layers") and \
+                not any(name.startswith(part + ".") for part in parts):
+            parts.append(name)
+    parts = parts[:3]
+    example = f"model.{parts[0]} = sn.wrap(model.{parts[0]}, ...)" if parts else \
+        "sn.wrap(part, ...) in its place"
+    return (f"{type(model).__name__} builds an attention mask of its own, and transformers' "
+            f"masking code reads its values ({where}) to skip it where it masks nothing, as "
+            "the model does when called: superneurons cannot capture that read, and the path "
+            "that materializes the mask instead rounds otherwise than plain PyTorch. Wrap the "
+            "part of the model below the mask's making, which is given the mask already "
+            f"skipped{': ' + ', '.join(parts) if parts else ''} ({example}).")
 
 
 def _masking(model: nn.Module):
