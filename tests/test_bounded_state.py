@@ -189,18 +189,23 @@ def test_a_closed_host_store_gives_back_chunks_once_their_regions_return(monkeyp
     real_empty = torch.empty
     monkeypatch.setattr(host.torch, "empty", lambda *args, pin_memory=False, **kwargs:
                         real_empty(*args, **kwargs))             # "pinned" on the CPU
-    returned = []
-    monkeypatch.setattr(host, "_return_pinned_pages", lambda: returned.append(True))
+    import weakref
+    returned, chunks = [], []
+    # the pages are free only once no chunk holds them: PyTorch's cache keeps blocks in use
+    monkeypatch.setattr(host, "_return_pinned_pages",
+                        lambda: returned.append([chunk() is None for chunk in chunks]))
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
     regions = [memory.alloc(1000) for _ in range(5)]         # two chunks: 4096 and 4096
     assert memory.capacity == memory.pinned_bytes == 8192
+    chunks.append(weakref.ref(next(iter(memory.chunks.values())).buffer))
     for region in regions[:4]:
         memory.release(region)                                # the first chunk is unused now
+    del regions[:4], region                                   # as the pool lets go of them
     memory.close()
-    assert memory.capacity == memory.pinned_bytes == 4096 and returned == [True]
+    assert memory.capacity == memory.pinned_bytes == 4096 and returned == [[True]]
     with pytest.raises(RuntimeError, match="closed"):
         memory.alloc(10)
-    memory.release(regions[4])                                # the last region returns
+    memory.release(regions[0])                                # the last region returns
     assert memory.capacity == 0 and not memory.chunks
 
 

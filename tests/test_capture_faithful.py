@@ -181,10 +181,15 @@ def test_a_warning_is_filtered_once_as_the_user_said():
     assert [str(w.message) for w in shown] == ["the model's own warning"]
 
 
-def test_numbered_children_are_named_as_python_indexes_them():
+def test_the_module_that_reads_is_named_and_only_children_without_it_are_offered():
+    """Numbered children named as Python indexes them; the child holding the read is not
+    offered, and where every child holds it, the refusal says so."""
     model = nn.Sequential(ReadsValues(), nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"children: 0, 1; model\[0\] = sn.wrap\(model\[0\]"):
+    with pytest.raises(ValueError, match=r"in ReadsValues \(0\)\).*children that hold no "
+                                         r"ReadsValues: 1; model\[1\] = sn.wrap\(model\[1\]"):
         sn.wrap(model)(X)
+    with pytest.raises(ValueError, match=r"each of its children holds ReadsValues\)"):
+        sn.wrap(nn.Sequential(ReadsValues(), ReadsValues()))(X)
 
 
 class Doubled(torch.autograd.Function):

@@ -12,7 +12,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 class FakeCudart:
     def __init__(self, refuse: bool = False):
-        self.refuse, self.registered, self.unregistered = refuse, [], []
+        self.refuse, self.registered, self.unregistered, self.calls = refuse, [], [], []
 
     def cudaHostRegister(self, pointer, size, flags):
         if self.refuse:
@@ -21,7 +21,10 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, pointer):
+        # pages.py Rule 2: never unmapped while registered
+        assert not pages._registered[pointer].closed
         self.unregistered.append(pointer)
+        self.calls.append("unregister")
         return 0
 
 
@@ -67,7 +70,7 @@ def test_a_refused_registration_leaves_pageable_memory_and_its_error_read_off(mo
 @pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
 def test_a_chunk_past_the_memory_available_is_halved_not_touched(cudart, monkeypatch):
     """Touching pages the host lacks would bring the out-of-memory killer (pages.py)."""
-    monkeypatch.setattr(pages, "_available", lambda: 3000)
+    monkeypatch.setattr(pages, "available_host_bytes", lambda: 3000)
     memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
     assert memory.alloc(1000).numel() == 1000
     assert memory.capacity == 2048 and [size for _, size in cudart.registered] == [2048]
@@ -92,12 +95,63 @@ def test_a_store_collected_unclosed_keeps_its_pages_mapped_until_they_are_unregi
 @pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
 def test_a_chunk_cuda_will_not_unregister_stays_mapped(cudart, monkeypatch):
     monkeypatch.setattr(cudart, "cudaHostUnregister", lambda pointer: 1)
+    monkeypatch.setattr(cudart, "calls", [])
     monkeypatch.setattr(pages, "_read_off_last_error", lambda: None)
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
     memory.alloc(1000)
     [(pointer, _)] = cudart.registered
     memory.close()
     assert pointer in pages._registered
+    pages._registered.pop(pointer)
+
+
+@pytest.fixture
+def device_waits(cudart, monkeypatch):
+    """A CUDA device on the CPU: synchronize() records which device it waited for."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: cudart.calls.append(("synchronize", device)))
+    return torch.device("cuda", 1)
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_chunks_are_unregistered_only_after_the_stores_device_finished(cudart, device_waits):
+    """host Rule 5: a plan is dropped as soon as backward returns on the host, while the device
+    may still copy out of its regions; only the store's device is waited for."""
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096, device=device_waits)
+    regions = [memory.alloc(1000) for _ in range(5)]
+    for region in regions[:4]:
+        memory.release(region)
+    memory.close()
+    assert cudart.calls == [("synchronize", device_waits), "unregister"]
+    memory.release(regions[4])
+    assert cudart.calls[2:] == [("synchronize", device_waits), "unregister"]
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_while_a_cuda_graph_is_captured_chunks_stay_registered(cudart, device_waits,
+                                                              monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096, device=device_waits)
+    memory.alloc(1000)
+    [(pointer, _)] = cudart.registered
+    memory.close()
+    del memory
+    assert cudart.calls == [] and pointer in pages._registered
+    pages._registered.pop(pointer)
+
+
+@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+def test_a_store_collected_in_a_forked_child_calls_no_cuda(cudart, monkeypatch):
+    import gc
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    memory.alloc(1000)
+    [(pointer, _)] = cudart.registered
+    real_pid = host.os.getpid()
+    monkeypatch.setattr(host.os, "getpid", lambda: real_pid + 1)
+    del memory
+    gc.collect()
+    assert cudart.unregistered == []
     pages._registered.pop(pointer)
 
 

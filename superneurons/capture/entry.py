@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .assigned import assigned_refusal, leaves_watched
-from .export import children_of, export_graph, hooks_of, host_random_state
+from .export import export_graph, hooks_of, host_random_state
+from .value_read import children_of
 from .graph import LayerGraph
 from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses

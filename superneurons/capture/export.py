@@ -20,7 +20,6 @@ Rule 2: what export cannot represent exactly is refused before a step runs: modu
 
 import builtins
 import contextlib
-import os
 import random
 import re
 import threading
@@ -33,7 +32,8 @@ from torch.utils import _pytree as pytree
 
 from .assigned import assigned_refusal, watched_attributes
 from .export_said import said_by_export, stale_attributes
-from .hf import exported_as_called, mask_read_refusal
+from .hf import exported_as_called
+from .value_read import children_of, is_value_read, value_read_refusal
 from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
                       reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported)
 
@@ -146,29 +146,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
         generators = _held_generators(model) if "Generator" in str(error) else []
         if generators:
             raise ValueError(_generator_refusal(model, generators)) from error
-        # a value read as a size reaches export as a fake tensor where ints are due (a
-        # PackedSequence's batch sizes, in a recurrent layer)
-        sized = "but got FakeTensor" in str(error)
-        if "data-dependent" in str(error) or "data dependent" in str(error) or sized:
-            cumulative = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and
-                             m.momentum is None for m in model.modules())
-            recurrent = sized and any(isinstance(m, nn.RNNBase) for m in model.modules())
-            where = _where_read(error)
-            said = mask_read_refusal(model, where)
-            if said:
-                raise ValueError(said) from error
-            raise ValueError(
-                f"superneurons could not capture {type(model).__name__}: {message}"
-                + (f" (read at {where})" if where else "") + ". Code that "
-                "reads tensor values (not sizes) as Python numbers or branches on them cannot "
-                "be captured" + (" (its BatchNorm with momentum=None reads its step counter "
-                "so: give it a momentum)" if cumulative else "") + (" (a PackedSequence "
-                "sizes its recurrent layers' steps by the lengths' values: give them padded "
-                "batches, and mask the padding)" if recurrent else "") + "; move it out of the "
-                "forward, or wrap the parts of the model that do not read them in their place"
-                + children_of(model) + "." + (" Given labels=, a model may read them in the "
-                "loss it computes (HF's heads): call it without labels and compute the loss "
-                "from its logits outside." if "labels" in kwargs else "")) from error
+        if is_value_read(error):
+            raise value_read_refusal(model, error, message, kwargs) from error
         # newer torch names the output's class; torch 2.11 fails earlier, hashing the instance
         # (a built-in type unhashable there is the model's own error, not its output's class)
         unknown = re.search(r"Found <class '([^']+)'> in output, which is not a known type",
@@ -234,16 +213,6 @@ def host_random_state() -> tuple:
     return random.getstate(), (kind, keys.tobytes(), position, has_gauss, gauss)
 
 
-def children_of(model: nn.Module) -> str:
-    """The model's direct children, named as a user would wrap one in its place."""
-    names = [name for name, _ in model.named_children()]
-    if not names:
-        return ""
-    first = f"model[{names[0]}]" if names[0].isdigit() else f"model.{names[0]}"
-    return (f" (its children: {', '.join(names[:8])}{' and more' if len(names) > 8 else ''}; "
-            f"{first} = sn.wrap({first}, ...) wraps one)")
-
-
 def _held_generators(model: nn.Module) -> list:
     """Where the model's modules hold a torch.Generator (in lists and dicts too)."""
     return [f"{prefix}.{name}" if prefix else name
@@ -271,23 +240,6 @@ def _held_object_refusal(model: nn.Module, spec) -> str:
             "object torch.export lifts out of the graph, which superneurons cannot run at "
             "every step. Wrap the parts of the model that do not use it" + children_of(model)
             + ".")
-
-
-def _where_read(error: Exception) -> str | None:
-    """Where export's data-dependent error says the model read a value: the frame it names,
-    unless that is torch's own, else the innermost frame of the traceback outside torch and
-    superneurons (the model's own code)."""
-    ours = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    caused = re.search(r"Caused by: \(([^)\n]+)\)", str(error))
-    if caused and not os.path.exists(os.path.join(ours[0], caused.group(1).split("/")[0])):
-        return caused.group(1)
-    where, frames = None, error.__traceback__
-    while frames is not None:
-        code = frames.tb_frame.f_code
-        if not code.co_filename.startswith(ours) and "/contextlib.py" not in code.co_filename:
-            where = f"{code.co_filename}:{frames.tb_lineno} in {code.co_name}"
-        frames = frames.tb_next
-    return where
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from torch import nn
 
 # torch's Functions whose backward dropping leaves the gradients as they are: non-reentrant
 # checkpointing's holder of the inputs, whose output no gradient flows through (its backward
-# raises if called); torch 2.11 applies it in every torch.utils.checkpoint call
+# raises if called); torch 2.11 applies it in every non-reentrant torch.utils.checkpoint call
 _DROPPED_EXACTLY = {getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)} - {None}
 
 # HF model types sharing T5's attention with a relative position bias (Rule 3)

@@ -7,11 +7,13 @@ Rule 1: memory is pinned when an offload needs it, never for all a plan could of
         a 5 GiB budget, 16 GiB at 11.5) spent 41.5 and 8.5 s of host time in `torch.empty`
         (benchmarks/results/profile_first_step.json, planner_costs_densenet_host_before.json).
         Each new chunk doubles what is pinned, up to MAX_CHUNK_BYTES.
-Rule 2: chunks are powers of two: mapped here they are whole 2 MiB pages (pages.py), and
-        PyTorch's pinned allocator, where it pins them, rounds every request up to one, so all
-        that is page-locked is used.
-Rule 3: where the system will not pin a chunk, a smaller one is tried, down to the region's own
-        size; then pageable memory, and no more pinning: slower copies rather than a failed step
+Rule 2: chunks are powers of two: from 2 MiB up, whole huge pages where the kernel aligns the
+        mapping to them (pages.py), and PyTorch's pinned allocator, where it pins them, rounds
+        every request up to one, so all that is page-locked is used.
+Rule 3: where the host has not the memory for a chunk, a smaller one is tried, down to the
+        region's own size, then pageable memory; where it gives the memory but will not pin it
+        (pages.py Rule 3), the chunk is used pageable. Either way no more is pinned: slower
+        copies rather than a failed step
         (Inception-v4's offloads at batch 400 could not all be pinned on a 128 GiB machine:
         benchmarks/results/diagnose_inception_v4_1_before.json).
 Rule 4: a region whose host-to-device copy may still be running is reused only once that copy
@@ -22,14 +24,16 @@ Rule 4: a region whose host-to-device copy may still be running is reused only o
         of a 160-310 ms step, benchmarks/results/profile_ratio.json), and a host that waits
         for the device leaves it idle once it runs again.
 Rule 5: a closed store gives its chunks back: at once those no region is carved from, the others
-        when their last region returns (a handle of a step in flight still reads it). Chunks
-        mapped here are unregistered then (pages.py Rule 2). Where PyTorch's pinned allocator
-        pinned them, those given back at once have their pages returned to the system (the
-        allocator would keep them cached, page-locked, for the life of the process), which
-        empties its whole cache, the user's unused blocks (a DataLoader's) included; the
-        others go back to that cache. A store is closed when its plan is dropped (module.py
-        Rule 5), rarely: a new plan captures again, which costs more than pinning again. One
-        collected without being closed unregisters its chunks mapped here (pages.py Rule 2).
+        when their last region returns (a handle of a step in flight still reads it); one
+        collected without being closed, then. A store is closed when its plan is dropped
+        (module.py Rule 5), rarely: a new plan captures again, which costs more than pinning
+        again. Chunks mapped here are unregistered (pages.py Rule 2) once the store's device
+        has finished: a plan is dropped, or its executor freed with its step's graph, as soon
+        as backward returns on the host, while the device may still copy a region's bytes.
+        Where PyTorch's pinned allocator pinned them, those given back at once have their
+        pages returned to the system (the allocator would keep them cached, page-locked, for
+        the life of the process), which empties its whole cache, the user's unused blocks (a
+        DataLoader's) included; the others go back to that cache.
 Rule 6: where PyTorch's pinned allocator pins (not Linux; and the state tier, state.py), the
         store first has it map the pages on PINNING_THREADS threads and then register them
         (pinned_use_cuda_host_register), unless the user set any pinned option: cudaHostAlloc
@@ -92,12 +96,6 @@ class _Chunk:
             self.insert(offset, size)
         return bool(deferred)
 
-    def give_back(self) -> None:
-        """Rule 5, once no copy reads it: pages mapped here are unregistered (pages.py Rule 2);
-        PyTorch's go back to its pinned allocator when the last region lets go."""
-        if self.mapped and self.pinned:
-            pages.unregister(self.buffer)
-
     def insert(self, offset: int, size: int) -> None:
         self.free.append((offset, size))
         self.free.sort()
@@ -111,10 +109,13 @@ class _Chunk:
 
 
 class HostMemory:
-    def __init__(self, pin: bool, first_chunk_bytes: int = FIRST_CHUNK_BYTES, fence=None):
+    def __init__(self, pin: bool, first_chunk_bytes: int = FIRST_CHUNK_BYTES, fence=None,
+                 device: torch.device | None = None):
         """``fence``: a callable returning an event after every host-to-device copy queued so
-        far, or None (Rule 4)."""
+        far, or None (Rule 4). ``device``: where copies into and out of the chunks run (CUDA),
+        waited for before chunks mapped here are given back (Rule 5)."""
         self.pin = pin
+        self.device = device
         self.first_chunk_bytes = first_chunk_bytes
         self.fence = fence
         self._after = None                   # Rule 4: what copies into regions now wait for
@@ -122,7 +123,7 @@ class HostMemory:
         self.closed = False
         self.taking_seconds = 0.0            # host time spent taking chunks (StepStats)
         # pages.py Rule 2; not at exit, where the process's pages go with it
-        weakref.finalize(self, _collected, self.chunks).atexit = False
+        weakref.finalize(self, _collected, self.chunks, device, os.getpid()).atexit = False
 
     @property
     def capacity(self) -> int:
@@ -172,7 +173,7 @@ class HostMemory:
         chunk.insert(offset, size)
         if self.closed and chunk.unused:
             # the caller still holds the region: its pages go when it lets go (Rule 5)
-            self.chunks.pop(region.untyped_storage().data_ptr()).give_back()
+            _give_back([self.chunks.pop(region.untyped_storage().data_ptr())], self.device)
 
     def close(self) -> None:
         """Rule 5: give back every chunk no region is carved from; the rest as they empty."""
@@ -181,8 +182,10 @@ class HostMemory:
         [chunk.reclaim() for chunk in self.chunks.values()]
         unused = [self.chunks.pop(key) for key, chunk in list(self.chunks.items())
                   if chunk.unused]
-        [chunk.give_back() for chunk in unused]
-        if any(chunk.pinned and not chunk.mapped for chunk in unused):
+        _give_back(unused, self.device)
+        pinned_by_torch = any(chunk.pinned and not chunk.mapped for chunk in unused)
+        del unused                  # their pages are free only once no chunk holds them
+        if pinned_by_torch:
             _return_pinned_pages()
 
     def _grow(self, size: int) -> _Chunk:
@@ -208,11 +211,20 @@ class HostMemory:
         return chunk
 
 
-def _collected(chunks: dict) -> None:
-    """A store collected without being closed (its executor dropped otherwise than with its
-    plan): CUDA unregisters its chunks mapped here (pages.py Rule 2)."""
-    pages.unregister_after_the_device([chunk.buffer for chunk in chunks.values()
-                                       if chunk.mapped and chunk.pinned])
+def _give_back(chunks: list, device: torch.device | None) -> None:
+    """Rule 5: chunks mapped here are unregistered once ``device`` has finished the copies
+    that may still read or write them (pages.py Rule 2); PyTorch's go back to its pinned
+    allocator as their tensors are freed."""
+    pages.unregister_after_the_device([chunk.buffer for chunk in chunks
+                                       if chunk.mapped and chunk.pinned], device)
+
+
+def _collected(chunks: dict, device: torch.device | None, pid: int) -> None:
+    """A store collected without being closed (an executor freed with its step's graph, or
+    dropped otherwise than with its plan): its chunks are given back. Not in a forked child,
+    which may not call CUDA and whose copy of the store is not registered."""
+    if os.getpid() == pid:
+        _give_back(list(chunks.values()), device)
 
 
 def _pinned(num_bytes: int) -> tuple:

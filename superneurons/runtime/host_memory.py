@@ -23,7 +23,8 @@ Rule 2: the estimate counts what must be there, not what might be: where it is s
           (Plan.offloaded_bytes). An upper estimate: the tests hold it within 0.8-1.25x of
           what the pool takes with state on the device; with state on the host it runs higher.
         - less what PyTorch's pinned allocator holds free for reuse (a dropped plan's
-          gradient targets, host Rule 5's cache): MemAvailable does not count those pages.
+          gradient targets; a store's chunks where that allocator pinned them, host Rule 5):
+          MemAvailable does not count those pages.
         The optimizer's state is the user's, made at its first step() after this check: it is
         not counted, only named in the error with what AdamW's two moments would add.
 Rule 3: what is available is /proc/meminfo's MemAvailable (Linux); elsewhere there is no check.

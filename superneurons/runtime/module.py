@@ -546,8 +546,8 @@ class SuperNeuronsModule(nn.Module):
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
     """Rule 5 for a wrapper Python collects. An executor with a step in flight is left to that
     step: autograd keeps its saved-tensor hooks, the executor's own methods, so the executor
-    lives as long as the step's graph, and Python frees it with the graph (its host memory then
-    goes back to PyTorch's pinned allocator, host Rule 5)."""
+    lives as long as the step's graph, and Python frees it with the graph (its host store,
+    collected then, gives its chunks back once the device has finished: host Rule 5)."""
     for executor in [executor for _, executor in (*plans.values(), *fallbacks.values())] + \
             retiring:
         if executor is not None and not executor.in_flight:

@@ -7,15 +7,17 @@ Rule 1: a chunk is an anonymous private mapping advised to use 2 MiB pages (wher
         GiB/s this way, 9.1 without the advice, and 4.1 through PyTorch's pinned allocator
         registering on 16 threads (benchmarks/results/pinning_hugepages_2.json). Where the
         system has no such mappings (not Linux), PyTorch's pinned allocator pins the chunk.
-Rule 2: a chunk is unregistered when the store gives it back, once no copy reads it (host Rule
-        5), or when a store never closed is collected, once the device has finished its work.
-        Until then this module holds the chunk's mapping: pages unmapped while registered leave
-        CUDA a registration that later copies from whatever is mapped at those addresses meet
-        (a pageable copy failed with cudaErrorAlreadyMapped in the GPU suite when a collected
+Rule 2: a chunk is unregistered when the store gives it back (host Rule 5), once the store's
+        device has finished the copies that may read or write it; while a CUDA graph is
+        captured nothing may wait, so it stays registered. Until CUDA has unregistered it this
+        module holds the chunk's mapping: pages unmapped while registered leave CUDA a
+        registration that later copies from whatever is mapped at those addresses meet (a
+        pageable copy failed with cudaErrorAlreadyMapped in the GPU suite when a collected
         store's pages went with their last tensor). Once unregistered, the pages return to the
-        system when the last tensor viewing them is freed. The user's own pinned tensors are
-        left to PyTorch's allocator and its settings: the store neither changes those
-        settings nor empties that cache.
+        system when the last tensor viewing them is freed. Forked processes (DataLoader
+        workers) do not inherit the mapping: the kernel would copy registered pages into each
+        child at once. The user's own pinned tensors are left to PyTorch's allocator and its
+        settings: the store neither changes those settings nor empties that cache.
 Rule 3: a registration the system refuses (a memlock limit) leaves CUDA's last error set, which
         PyTorch's next kernel launch would raise as its own: it is read off at once, and the
         chunk is used as pageable memory.
@@ -25,6 +27,8 @@ import mmap
 
 import torch
 
+from .host_memory import available_host_bytes
+
 MAPPABLE = hasattr(mmap, "MAP_ANONYMOUS")
 _PORTABLE = 1                      # cudaHostRegisterPortable: pinned for every device's context
 _registered: dict = {}             # Rule 2: a registered chunk's address -> its mapping
@@ -32,16 +36,21 @@ _registered: dict = {}             # Rule 2: a registered chunk's address -> its
 
 def pinned_chunk(num_bytes: int) -> tuple | None:
     """A chunk of ``num_bytes`` mapped here (MAPPABLE): (tensor, whether CUDA registered it), or
-    None where the host has not that much memory available (the caller asks for less, host
-    Rule 3)."""
-    if num_bytes > _available():
+    None where the host has not that much memory available (MemAvailable: touching pages the
+    host does not have would bring the kernel's out-of-memory killer rather than an error; the
+    caller asks for less, host Rule 3)."""
+    available = available_host_bytes()
+    if available is not None and num_bytes > available:
         return None
     try:
         area = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:
         return None
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        area.madvise(mmap.MADV_HUGEPAGE)
+    for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):      # Rules 2 and 1
+        try:
+            area.madvise(getattr(mmap, advice))
+        except (AttributeError, OSError):      # not this system's: the chunk works without
+            pass
     chunk = torch.frombuffer(area, dtype=torch.uint8)   # keeps the mapping while it lives
     chunk.fill_(0)                                      # the page faults, on torch's threads
     registered = _register(chunk)
@@ -67,13 +76,18 @@ def unregister(chunk: torch.Tensor) -> None:
     _registered.pop(chunk.data_ptr(), None)
 
 
-def unregister_after_the_device(chunks: list) -> None:
-    """Rule 2 for a store collected unclosed: copies into and out of its chunks may still run.
-    While a CUDA graph is captured nothing may wait: the chunks stay registered and mapped."""
-    if not chunks or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+def unregister_after_the_device(chunks: list, device: torch.device | None) -> None:
+    """Rule 2: ``device`` (None: no CUDA copies) is waited for first; where it cannot be, the
+    chunks stay registered and mapped."""
+    if not chunks:
         return
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
+    if device is not None:
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return
+            torch.cuda.synchronize(device)          # that device alone: no context elsewhere
+        except RuntimeError:
+            return
     for chunk in chunks:
         unregister(chunk)
 
@@ -87,14 +101,3 @@ def _read_off_last_error() -> None:
         pass
 
 
-def _available() -> int:
-    """MemAvailable (Linux), else no bound: touching pages the host does not have would bring
-    the kernel's out-of-memory killer rather than an error."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62

@@ -71,7 +71,8 @@ class TensorPool:
     def __init__(self, device: torch.device, allowance):
         self.mover = Mover(device)
         self.host_memory = HostMemory(pin=self.mover.cuda,
-                                      fence=self.mover.copies_in if self.mover.cuda else None)
+                                      fence=self.mover.copies_in if self.mover.cuda else None,
+                                      device=device if self.mover.cuda else None)
         self.allowance = allowance               # step -> bytes the pool may hold on the device
         self.entries: dict = {}                  # key -> Entry
         self.lru: OrderedDict = OrderedDict()    # on-device entries, least recently used first
