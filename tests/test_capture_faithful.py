@@ -3,6 +3,7 @@ that only happen for some strides (capture/trace.py Rule 3), draws from generato
 torch, tensor attributes the forward assigns, and export's own output (capture/export_said.py)."""
 
 import copy
+import functools
 import random
 import warnings
 
@@ -276,3 +277,32 @@ def test_bloom_trains_its_gelu_by_a_custom_function_and_is_refused():
     ids = torch.randint(0, 64, (2, 8))
     with pytest.raises(ValueError, match="GeLUFunction"):
         sn.wrap(model, policy="offload")(input_ids=ids, labels=ids)
+
+
+def _traced(forward):
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):         # as HF decorates its forwards
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+def _positive(features):
+    return features.sum() > 0                   # the read, in a helper function
+
+
+class ReadsInHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    @_traced
+    def forward(self, x):
+        features = self.lin(x)
+        return features * 2 if _positive(features) else features
+
+
+def test_a_reader_behind_a_decorator_and_a_helper_is_still_named():
+    model = nn.Sequential(nn.Linear(32, 32), ReadsInHelper(), nn.Linear(32, 2))
+    with pytest.raises(ValueError, match=r"in ReadsInHelper \(1\)\).*children that hold no "
+                                         r"ReadsInHelper: 0, 2; model\[0\]"):
+        sn.wrap(model)(X)

@@ -1,6 +1,8 @@
-"""The host store's own pinned pages (runtime/pages.py): mapped, registered with CUDA,
-unregistered when given back, pageable where registering is refused. CUDA's calls are faked on
-the CPU; the last test runs them on a GPU."""
+"""The host store's own pinned pages (runtime/pages.py): mapped, registered with CUDA, given
+back once the device has finished, pageable where registering is refused, not inherited by
+forks. CUDA's calls are faked on the CPU; the last test runs them on a GPU."""
+
+import gc
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from superneurons.runtime import host, pages
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+mappable = pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
 
 
 class FakeCudart:
@@ -21,11 +24,17 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, pointer):
-        # pages.py Rule 2: never unmapped while registered
-        assert not pages._registered[pointer].closed
+        assert not pages._registered[pointer].closed     # Rule 2: never unmapped registered
         self.unregistered.append(pointer)
         self.calls.append("unregister")
         return 0
+
+
+@pytest.fixture(autouse=True)
+def module_state(monkeypatch):
+    """pages.py's tables as they were, whatever a test leaves in them."""
+    for table in ("_registered", "_pending", "_in_child"):
+        monkeypatch.setattr(pages, table, type(getattr(pages, table))())
 
 
 @pytest.fixture
@@ -35,7 +44,16 @@ def cudart(monkeypatch):
     return fake
 
 
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+@pytest.fixture
+def device_waits(cudart, monkeypatch):
+    """A CUDA device on the CPU: synchronize() records which device it waited for."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: cudart.calls.append(("synchronize", device)))
+    return torch.device("cuda", 1)
+
+
+@mappable
 def test_mapped_chunks_are_registered_and_unregistered_once_no_region_uses_them(cudart):
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
     regions = [memory.alloc(1000) for _ in range(5)]            # two chunks of 4096
@@ -53,68 +71,7 @@ def test_mapped_chunks_are_registered_and_unregistered_once_no_region_uses_them(
     assert memory.capacity == 0
 
 
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_a_refused_registration_leaves_pageable_memory_and_its_error_read_off(monkeypatch):
-    """pages.py Rule 3, host Rule 3: the chunk is used unpinned, and no more is pinned."""
-    fake = FakeCudart(refuse=True)
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    read_off = []
-    monkeypatch.setattr(pages, "_read_off_last_error", lambda: read_off.append(True))
-    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
-    assert memory.alloc(1000).numel() == 1000
-    assert read_off == [True] and memory.pinned_bytes == 0 and not memory.pin
-    memory.close()
-    assert fake.unregistered == []                               # nothing was registered
-
-
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_a_chunk_past_the_memory_available_is_halved_not_touched(cudart, monkeypatch):
-    """Touching pages the host lacks would bring the out-of-memory killer (pages.py)."""
-    monkeypatch.setattr(pages, "available_host_bytes", lambda: 3000)
-    memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
-    assert memory.alloc(1000).numel() == 1000
-    assert memory.capacity == 2048 and [size for _, size in cudart.registered] == [2048]
-    memory.close()
-
-
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_a_store_collected_unclosed_keeps_its_pages_mapped_until_they_are_unregistered(cudart):
-    """pages.py Rule 2: pages unmapped while CUDA has them registered leave a registration that
-    later copies from memory mapped at those addresses fail on."""
-    import gc
-    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
-    memory.alloc(1000)
-    [(pointer, _)] = cudart.registered
-    assert not pages._registered[pointer].closed
-    del memory
-    gc.collect()                                  # the chunk's last tensor went with the store
-    assert cudart.unregistered == [pointer]       # unregistered, and only then unmapped
-    assert pointer not in pages._registered
-
-
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_a_chunk_cuda_will_not_unregister_stays_mapped(cudart, monkeypatch):
-    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda pointer: 1)
-    monkeypatch.setattr(cudart, "calls", [])
-    monkeypatch.setattr(pages, "_read_off_last_error", lambda: None)
-    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
-    memory.alloc(1000)
-    [(pointer, _)] = cudart.registered
-    memory.close()
-    assert pointer in pages._registered
-    pages._registered.pop(pointer)
-
-
-@pytest.fixture
-def device_waits(cudart, monkeypatch):
-    """A CUDA device on the CPU: synchronize() records which device it waited for."""
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "synchronize",
-                        lambda device=None: cudart.calls.append(("synchronize", device)))
-    return torch.device("cuda", 1)
-
-
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
+@mappable
 def test_chunks_are_unregistered_only_after_the_stores_device_finished(cudart, device_waits):
     """host Rule 5: a plan is dropped as soon as backward returns on the host, while the device
     may still copy out of its regions; only the store's device is waited for."""
@@ -128,36 +85,106 @@ def test_chunks_are_unregistered_only_after_the_stores_device_finished(cudart, d
     assert cudart.calls[2:] == [("synchronize", device_waits), "unregister"]
 
 
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_while_a_cuda_graph_is_captured_chunks_stay_registered(cudart, device_waits,
-                                                              monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+@mappable
+def test_a_store_collected_unclosed_gives_its_chunks_back_at_the_next_safe_point(
+        cudart, device_waits):
+    """pages.py Rule 2: a finalizer calls no CUDA (it may run during another thread's graph
+    capture); the mapping stays until the next give-back has waited for the device and
+    unregistered it."""
     memory = host.HostMemory(pin=True, first_chunk_bytes=4096, device=device_waits)
     memory.alloc(1000)
     [(pointer, _)] = cudart.registered
-    memory.close()
     del memory
-    assert cudart.calls == [] and pointer in pages._registered
-    pages._registered.pop(pointer)
+    gc.collect()                                  # the chunk's last tensor went with the store
+    assert cudart.calls == [] and not pages._registered[pointer].closed
+    host.HostMemory(pin=True, first_chunk_bytes=4096).close()
+    assert cudart.calls == [("synchronize", device_waits), "unregister"]
+    assert pointer not in pages._registered
 
 
-@pytest.mark.skipif(not pages.MAPPABLE, reason="no anonymous mappings here")
-def test_a_store_collected_in_a_forked_child_calls_no_cuda(cudart, monkeypatch):
-    import gc
-    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
-    memory.alloc(1000)
+@mappable
+@pytest.mark.parametrize("waiting", ["captured", "refused"])
+def test_chunks_whose_device_cannot_be_waited_for_now_are_given_back_later(
+        cudart, device_waits, monkeypatch, waiting):
+    """While a CUDA graph is captured nothing may wait; after a failed wait the copies' state
+    is unknown: either way the chunks stay registered and mapped until a later give-back."""
+    def refused(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    if waiting == "captured":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    else:
+        monkeypatch.setattr(torch.cuda, "synchronize", refused)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096, device=device_waits)
+    memory.release(memory.alloc(1000))
     [(pointer, _)] = cudart.registered
-    real_pid = host.os.getpid()
-    monkeypatch.setattr(host.os, "getpid", lambda: real_pid + 1)
-    del memory
-    gc.collect()
-    assert cudart.unregistered == []
-    pages._registered.pop(pointer)
+    memory.close()
+    assert cudart.unregistered == [] and pointer in pages._registered and pages._pending
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    pages.give_back([], None)
+    assert cudart.unregistered == [pointer]
+
+
+@pytest.mark.skipif(not pages.MAPPABLE or not hasattr(pages.os, "fork"),
+                    reason="no anonymous mappings or fork here")
+def test_a_forked_child_inherits_no_mapping_and_calls_no_cuda(cudart, device_waits):
+    """pages.py Rule 4: the kernel would copy registered pages into every child at once."""
+    memory = host.HostMemory(pin=True, first_chunk_bytes=1 << 21, device=device_waits)
+    region = memory.alloc(1000)
+    address = region.data_ptr()
+    child = pages.os.fork()
+    if child == 0:                                # the child: is the chunk mapped here?
+        with open("/proc/self/maps") as maps:
+            mapped = any(int(start, 16) <= address < int(end, 16)
+                         for start, end in (line.split()[0].split("-") for line in maps))
+        memory.release(region)
+        memory.close()
+        pages.os._exit(10 * mapped + (len(cudart.calls) > 0))
+    _, status = pages.os.waitpid(child, 0)
+    assert pages.os.waitstatus_to_exitcode(status) == 0, "mapped in the child, or CUDA called"
+    memory.release(region)
+    memory.close()
+    assert cudart.unregistered == [address]
+
+
+@mappable
+def test_a_refused_registration_leaves_pageable_memory_and_its_error_read_off(monkeypatch):
+    """pages.py Rule 3, host Rule 3: the chunk is used unpinned, and no more is pinned."""
+    fake = FakeCudart(refuse=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    read_off = []
+    monkeypatch.setattr(pages, "_read_off_last_error", lambda: read_off.append(True))
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    assert memory.alloc(1000).numel() == 1000
+    assert read_off == [True] and memory.pinned_bytes == 0 and not memory.pin
+    memory.close()
+    assert fake.unregistered == []                               # nothing was registered
+
+
+@mappable
+def test_a_chunk_past_the_memory_available_is_halved_not_touched(cudart, monkeypatch):
+    """Touching pages the host lacks would bring the out-of-memory killer (pages.py)."""
+    monkeypatch.setattr(host.pages.host_memory, "available_host_bytes", lambda: 3000)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=10_000)
+    assert memory.alloc(1000).numel() == 1000
+    assert memory.capacity == 2048 and [size for _, size in cudart.registered] == [2048]
+    memory.close()
+
+
+@mappable
+def test_a_chunk_cuda_will_not_unregister_stays_mapped(cudart, monkeypatch):
+    monkeypatch.setattr(cudart, "cudaHostUnregister", lambda pointer: 1)
+    monkeypatch.setattr(pages, "_read_off_last_error", lambda: None)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=4096)
+    memory.release(memory.alloc(1000))
+    [(pointer, _)] = cudart.registered
+    memory.close()
+    assert pointer in pages._registered and cudart.calls == []
 
 
 @needs_cuda
 def test_on_cuda_mapped_pages_are_pinned_copy_both_ways_and_are_unpinned_when_given_back():
-    memory = host.HostMemory(pin=True, first_chunk_bytes=1 << 21)
+    memory = host.HostMemory(pin=True, first_chunk_bytes=1 << 21, device=torch.device("cuda"))
     region = memory.alloc(1 << 20)
     assert region.is_pinned() and memory.pinned_bytes == 1 << 21
     source = torch.arange(1 << 20, device="cuda", dtype=torch.int32).view(torch.uint8)[:1 << 20]

@@ -29,7 +29,8 @@ Rule 5: a closed store gives its chunks back: at once those no region is carved 
         (module.py Rule 5), rarely: a new plan captures again, which costs more than pinning
         again. Chunks mapped here are unregistered (pages.py Rule 2) once the store's device
         has finished: a plan is dropped, or its executor freed with its step's graph, as soon
-        as backward returns on the host, while the device may still copy a region's bytes.
+        as backward returns on the host, while the device may still copy a region's bytes; a
+        collected store's, at the next give-back or new chunk.
         Where PyTorch's pinned allocator pinned them, those given back at once have their
         pages returned to the system (the allocator would keep them cached, page-locked, for
         the life of the process), which empties its whole cache, the user's unused blocks (a
@@ -123,7 +124,7 @@ class HostMemory:
         self.closed = False
         self.taking_seconds = 0.0            # host time spent taking chunks (StepStats)
         # pages.py Rule 2; not at exit, where the process's pages go with it
-        weakref.finalize(self, _collected, self.chunks, device, os.getpid()).atexit = False
+        weakref.finalize(self, _collected, self.chunks, device).atexit = False
 
     @property
     def capacity(self) -> int:
@@ -215,16 +216,15 @@ def _give_back(chunks: list, device: torch.device | None) -> None:
     """Rule 5: chunks mapped here are unregistered once ``device`` has finished the copies
     that may still read or write them (pages.py Rule 2); PyTorch's go back to its pinned
     allocator as their tensors are freed."""
-    pages.unregister_after_the_device([chunk.buffer for chunk in chunks
-                                       if chunk.mapped and chunk.pinned], device)
+    pages.give_back([chunk.buffer for chunk in chunks if chunk.mapped and chunk.pinned], device)
 
 
-def _collected(chunks: dict, device: torch.device | None, pid: int) -> None:
+def _collected(chunks: dict, device: torch.device | None) -> None:
     """A store collected without being closed (an executor freed with its step's graph, or
-    dropped otherwise than with its plan): its chunks are given back. Not in a forked child,
-    which may not call CUDA and whose copy of the store is not registered."""
-    if os.getpid() == pid:
-        _give_back(list(chunks.values()), device)
+    dropped otherwise than with its plan): its chunks are given back at the next safe point
+    (pages.py Rule 2)."""
+    pages.give_back_later([chunk.buffer for chunk in chunks.values()
+                           if chunk.mapped and chunk.pinned], device)
 
 
 def _pinned(num_bytes: int) -> tuple:

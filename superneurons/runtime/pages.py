@@ -8,30 +8,40 @@ Rule 1: a chunk is an anonymous private mapping advised to use 2 MiB pages (wher
         registering on 16 threads (benchmarks/results/pinning_hugepages_2.json). Where the
         system has no such mappings (not Linux), PyTorch's pinned allocator pins the chunk.
 Rule 2: a chunk is unregistered when the store gives it back (host Rule 5), once the store's
-        device has finished the copies that may read or write it; while a CUDA graph is
-        captured nothing may wait, so it stays registered. Until CUDA has unregistered it this
-        module holds the chunk's mapping: pages unmapped while registered leave CUDA a
-        registration that later copies from whatever is mapped at those addresses meet (a
-        pageable copy failed with cudaErrorAlreadyMapped in the GPU suite when a collected
-        store's pages went with their last tensor). Once unregistered, the pages return to the
-        system when the last tensor viewing them is freed. Forked processes (DataLoader
-        workers) do not inherit the mapping: the kernel would copy registered pages into each
-        child at once. The user's own pinned tensors are left to PyTorch's allocator and its
-        settings: the store neither changes those settings nor empties that cache.
+        device has finished the copies that may read or write it. Where that device cannot be
+        waited for now (a CUDA graph being captured, a failed wait), and for a store collected
+        unclosed (a finalizer may run in any thread, during another thread's graph capture,
+        which a device-wide wait would break), the chunks wait to be given back at the next
+        give-back or new chunk. Until CUDA has unregistered it this module holds the chunk's
+        mapping: pages unmapped while registered leave CUDA a registration that later copies
+        from whatever is mapped at those addresses meet (a pageable copy failed with
+        cudaErrorAlreadyMapped in the GPU suite when a collected store's pages went with their
+        last tensor). Once unregistered, the pages return to the system when the last tensor
+        viewing them is freed. The user's own pinned tensors are left to PyTorch's allocator
+        and its settings: the store neither changes those settings nor empties that cache.
 Rule 3: a registration the system refuses (a memlock limit) leaves CUDA's last error set, which
         PyTorch's next kernel launch would raise as its own: it is read off at once, and the
         chunk is used as pageable memory.
+Rule 4: forked processes (DataLoader workers) do not inherit the mappings (MADV_DONTFORK): the
+        kernel would copy registered pages into each child at once. A child keeps its Python
+        copies of them for its life and calls no CUDA for them: unmapping one there would
+        unmap whatever the child has mapped at that address since.
 """
 
 import mmap
+import os
+import weakref
 
 import torch
 
-from .host_memory import available_host_bytes
+from . import host_memory
 
 MAPPABLE = hasattr(mmap, "MAP_ANONYMOUS")
 _PORTABLE = 1                      # cudaHostRegisterPortable: pinned for every device's context
 _registered: dict = {}             # Rule 2: a registered chunk's address -> its mapping
+_pending: list = []                # Rule 2: (chunks, device) left to give back
+_mapped = weakref.WeakSet()        # Rule 4: every mapping made here
+_in_child: list = []               # Rule 4: in a forked child, the mappings it inherited
 
 
 def pinned_chunk(num_bytes: int) -> tuple | None:
@@ -39,14 +49,17 @@ def pinned_chunk(num_bytes: int) -> tuple | None:
     None where the host has not that much memory available (MemAvailable: touching pages the
     host does not have would bring the kernel's out-of-memory killer rather than an error; the
     caller asks for less, host Rule 3)."""
-    available = available_host_bytes()
+    if _pending:
+        give_back([], None)
+    available = host_memory.available_host_bytes()
     if available is not None and num_bytes > available:
         return None
     try:
         area = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:
         return None
-    for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):      # Rules 2 and 1
+    _mapped.add(area)
+    for advice in ("MADV_DONTFORK", "MADV_HUGEPAGE"):      # Rules 4 and 1
         try:
             area.madvise(getattr(mmap, advice))
         except (AttributeError, OSError):      # not this system's: the chunk works without
@@ -76,20 +89,47 @@ def unregister(chunk: torch.Tensor) -> None:
     _registered.pop(chunk.data_ptr(), None)
 
 
-def unregister_after_the_device(chunks: list, device: torch.device | None) -> None:
-    """Rule 2: ``device`` (None: no CUDA copies) is waited for first; where it cannot be, the
-    chunks stay registered and mapped."""
-    if not chunks:
+def give_back(chunks: list, device: torch.device | None) -> None:
+    """Rule 2: ``chunks`` and those left pending are unregistered once their device (None: no
+    CUDA copies) has finished; where it cannot be waited for now, they stay pending."""
+    if _in_child:
         return
-    if device is not None:
-        try:
-            if torch.cuda.is_current_stream_capturing():
-                return
-            torch.cuda.synchronize(device)          # that device alone: no context elsewhere
-        except RuntimeError:
-            return
-    for chunk in chunks:
-        unregister(chunk)
+    work = [(chunks, device)] if chunks else []
+    while _pending:                       # pop, not copy and clear: a finalizer may append
+        work.append(_pending.pop())
+    for chunks, device in work:
+        if not _device_finished(device):
+            _pending.append((chunks, device))
+            continue
+        for chunk in chunks:
+            unregister(chunk)
+
+
+def give_back_later(chunks: list, device: torch.device | None) -> None:
+    """Rule 2 for a store collected unclosed: no CUDA call from a finalizer."""
+    if chunks and not _in_child:
+        _pending.append((chunks, device))
+
+
+def _device_finished(device: torch.device | None) -> bool:
+    if device is None:
+        return True
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda.synchronize(device)          # that device alone: no context elsewhere
+        return True
+    except RuntimeError:
+        return False
+
+
+def _forked() -> None:
+    """Rule 4, in a forked child."""
+    _in_child.extend(_mapped)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _read_off_last_error() -> None:
