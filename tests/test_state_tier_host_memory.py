@@ -206,3 +206,23 @@ def test_the_state_tier_keeps_nothing_of_a_step():
         optimizer.step()
     optimizer.zero_grad()                               # the last step's targets go with .grad
     assert all(grad() is None for grad in grads)
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_containers_memory_limit_bounds_what_is_available(tmp_path, monkeypatch, version):
+    """host_memory Rule 3: MemAvailable sees the whole host; past a container's limit the
+    out-of-memory killer ends the process. File pages count as room, as MemAvailable counts
+    reclaimable cache."""
+    limit, usage, stat = (tmp_path / name for name in ("limit", "usage", "stat"))
+    key = "file" if version == "v2" else "total_cache"
+    files = (str(limit), str(usage), str(stat), key)
+    monkeypatch.setattr(host_memory, "CGROUP_FILES",
+                        (files,) if version == "v2" else (("/nonexistent",) * 3 + ("file",),
+                                                         files))
+    monkeypatch.setattr(host_memory, "_mem_available", lambda: 100 << 30)
+    limit.write_text(f"{8 << 30}\n")
+    usage.write_text(f"{5 << 30}\n")
+    stat.write_text(f"anon {4 << 30}\n{key} {1 << 30}\nother 7\n")
+    assert host_memory.available_host_bytes() == 4 << 30        # 8 - 5 + 1 GiB
+    limit.write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert host_memory.available_host_bytes() == 100 << 30      # no limit: MemAvailable

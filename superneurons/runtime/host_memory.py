@@ -27,7 +27,12 @@ Rule 2: the estimate counts what must be there, not what might be: where it is s
           MemAvailable does not count those pages.
         The optimizer's state is the user's, made at its first step() after this check: it is
         not counted, only named in the error with what AdamW's two moments would add.
-Rule 3: what is available is /proc/meminfo's MemAvailable (Linux); elsewhere there is no check.
+Rule 3: what is available is /proc/meminfo's MemAvailable (Linux), and no more than the room
+        the process's cgroup leaves under its memory limit where one is set (a container's:
+        MemAvailable sees the whole host, and past the limit the kernel's out-of-memory killer
+        ends the process). The cgroup's file pages are counted as room, as MemAvailable counts
+        reclaimable cache: an estimate that errs towards running (Rule 2). Elsewhere there is
+        no check.
 """
 
 import warnings
@@ -39,8 +44,23 @@ from ..planner.predict import Buffer, live_per_step
 from ..units import format_bytes
 
 
+# (limit, usage, statistics, the statistic counting file pages): cgroup v2, then v1, as the
+# process sees its own cgroup in a container (mounted at its root)
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+                 "/sys/fs/cgroup/memory.stat", "file"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.stat", "total_cache"))
+_NO_LIMIT = 1 << 60        # cgroup v1 writes "no limit" as 2**63 rounded down to a page
+
+
 def available_host_bytes() -> int | None:
-    """Rule 3: MemAvailable in bytes, or None where the system does not say. Tests replace it."""
+    """Rule 3: in bytes, or None where the system says nothing. Tests replace it."""
+    known = [n for n in (_mem_available(), _cgroup_room()) if n is not None]
+    return min(known) if known else None
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -48,6 +68,25 @@ def available_host_bytes() -> int | None:
                     return int(line.split()[1]) * 1024            # given in kB
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """What the cgroup's memory limit leaves, its file pages counted as room; None without a
+    limit."""
+    for limit_file, usage_file, stat_file, file_key in CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read())
+            with open(stat_file) as f:
+                stats = dict(line.split() for line in f if len(line.split()) == 2)
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= _NO_LIMIT:
+            return None
+        return max(0, int(limit) - usage + int(stats.get(file_key, 0)))
     return None
 
 
