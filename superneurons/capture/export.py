@@ -33,9 +33,9 @@ from torch.utils import _pytree as pytree
 from .assigned import assigned_refusal, watched_attributes
 from .export_said import said_by_export, stale_attributes
 from .hf import exported_as_called
-from .value_read import children_of, is_value_read, value_read_refusal
 from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
                       reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported)
+from .value_read import children_of, is_value_read, value_read_refusal
 
 __all__ = ["ExportedGraph", "export_graph", "hooks_of", "module_path"]
 
