@@ -179,7 +179,7 @@ def test_a_chunk_cuda_will_not_unregister_stays_mapped(cudart, monkeypatch):
     memory.release(memory.alloc(1000))
     [(pointer, _)] = cudart.registered
     memory.close()
-    assert pointer in pages._registered and cudart.calls == []
+    assert pointer in pages._registered          # CUDA has them: never unmapped
 
 
 @needs_cuda

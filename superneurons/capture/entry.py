@@ -9,7 +9,7 @@ from torch import nn
 
 from .assigned import assigned_refusal, leaves_watched
 from .export import export_graph, hooks_of, host_random_state
-from .value_read import children_of
+from .value_read import LABELS_HINT, children_of
 from .graph import LayerGraph
 from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses
@@ -90,11 +90,7 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     except ValueError as error:
         if "labels" not in kwargs:
             raise
-        # HF heads compute their loss from the labels given, some by indexing with values
-        # (ELECTRA's pre-training head): the loss outside is the model's part that plans
-        raise ValueError(f"{error} Given labels=, the model computes its own loss from them: "
-                         "call it without labels and compute the loss from its logits "
-                         "outside.") from error
+        raise ValueError(f"{error}{LABELS_HINT}") from error   # value_read.py
     if written:
         raise assigned_refusal(model, written, children_of(model), leaf=True)
     if host_random_state() != drawn_before:       # only a leaf's forward runs here

@@ -11,6 +11,11 @@ from torch import nn
 
 from .hf import mask_read_refusal
 
+# HF heads given labels= compute their loss in the forward, some reading the labels' values
+# (DeBERTa-v2's classifier, Wav2Vec2's CTC) or indexing by them (ELECTRA's pre-training head)
+LABELS_HINT = (" Given labels=, the model computes its own loss from them: call it without "
+               "labels and compute the loss from its logits outside.")
+
 
 def is_value_read(error: Exception) -> bool:
     # a value read as a size reaches export as a fake tensor where ints are due (a
@@ -42,10 +47,8 @@ def value_read_refusal(model: nn.Module, error: Exception, message: str,
         "sizes its recurrent layers' steps by the lengths' values: give them padded "
         "batches, and mask the padding)" if recurrent else "") + "; move it out of the "
         "forward, or wrap the parts of the model that do not read them in their place"
-        + children_of(model, [name for name, _ in readers], kind) + "." + (
-            " Given labels=, a model may read them in the loss it computes (HF's heads): call "
-            "it without labels and compute the loss from its logits outside."
-            if "labels" in kwargs and not readers else ""))
+        + children_of(model, [name for name, _ in readers], kind) + "."
+        + (LABELS_HINT if "labels" in kwargs and not readers else ""))
 
 
 def children_of(model: nn.Module, holding: list = (), kind: str | None = None) -> str:
