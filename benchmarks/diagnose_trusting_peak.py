@@ -9,6 +9,7 @@ each step's allocated bytes can be read per boundary and the two steps compared 
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
         [--steps 3] [--sync forward|backward|both] [--no-record] [--pace device|compute-stream]
+        [--lead N]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
@@ -132,11 +133,16 @@ def main():
                         help="what executor Rule 10 waits for before each forward layer: the "
                              "compute stream alone (the runtime's), which leaves the pool's "
                              "copies running, or the whole device")
+    parser.add_argument("--lead", type=int, default=None,
+                        help="with --pace compute-stream: the forward layers the host may queue "
+                             "ahead of the compute stream (executor.PACE_LEAD)")
     args = parser.parse_args()
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
     if args.pace == "device":
-        executor_module._wait_for_compute = torch.cuda.synchronize
+        executor_module.Pace.before_layer = lambda pace: torch.cuda.synchronize()
+    elif args.lead is not None:
+        executor_module.PACE_LEAD = args.lead
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
@@ -159,11 +165,13 @@ def main():
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
     name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
-        ("_pace_device" if args.pace == "device" else "") + ".json"
+        ("_pace_device" if args.pace == "device" else "") + \
+        (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
-        "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace, "steps": rows, "parted": parted})
+        "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace,
+        "lead": executor_module.PACE_LEAD, "steps": rows, "parted": parted})
 
 
 if __name__ == "__main__":

@@ -353,6 +353,38 @@ def test_a_wrapped_forward_gives_back_a_limit_a_raising_backward_left(monkeypatc
     assert fake.fraction == 1.0 and not fit.limiting
 
 
+class _FakeStream:
+    """A compute stream whose marks log the host's waits for them."""
+
+    def __init__(self):
+        self.made, self.waited, self.synchronized = 0, [], 0
+
+    def record_event(self):
+        mark, self.made = self.made, self.made + 1
+        return type("Mark", (), {"synchronize": lambda _: self.waited.append(mark)})()
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+@pytest.mark.parametrize("lead", [0, 1, 2])
+def test_a_paced_forward_queues_at_most_its_lead_of_layers_ahead(monkeypatch, lead):
+    """Executor Rule 10: before layer k the host waits for all queued before layer k - lead."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
+    pace = executor_module.Pace(torch.device("cuda", 0))
+    for _ in range(5):
+        pace.before_layer()
+    if lead == 0:
+        assert stream.synchronized == 5 and stream.waited == []
+    else:
+        assert stream.waited == list(range(5 - lead)) and stream.synchronized == 0
+    pace.end_forward()
+    pace.before_layer()                 # a new forward waits for nothing of the last one's
+    assert stream.waited == ([] if lead == 0 else list(range(5 - lead)))
+
+
 @needs_cuda
 def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_stream(
         monkeypatch):
@@ -364,9 +396,9 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
-    wait, waits = executor_module._wait_for_compute, []
-    monkeypatch.setattr(executor_module, "_wait_for_compute",
-                        lambda device: (waits.append(device), wait(device)))
+    wait, waits = executor_module.Pace.before_layer, []
+    monkeypatch.setattr(executor_module.Pace, "before_layer",
+                        lambda pace: (waits.append(pace.device), wait(pace)))
     moved, paced = [], []
     for _ in range(3):
         waits.clear()

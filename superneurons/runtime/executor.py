@@ -72,6 +72,7 @@ Rule 10: on CUDA, once the pool has offloaded in a step, every later forward run
         peak differ was not found.
 """
 
+import collections
 import logging
 import operator
 import weakref
@@ -97,10 +98,31 @@ from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
 
 
-def _wait_for_compute(device: torch.device) -> None:
-    """Rule 10: the host goes on once the compute stream has run all queued on it before; the
-    pool's copies on their own streams run on."""
-    torch.cuda.current_stream(device).synchronize()
+# Rule 10: how many forward layers the host may queue ahead of the compute stream (0: it waits
+# for the stream to run all queued before each layer)
+PACE_LEAD = 0
+
+
+class Pace:
+    """Rule 10: before each forward layer, the host waits until the compute stream has run all
+    it queued before the layer ``PACE_LEAD`` layers back; the pool's copies on their own
+    streams run on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: collections.deque = collections.deque()
+
+    def before_layer(self) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        if PACE_LEAD == 0:
+            stream.synchronize()
+            return
+        self.marks.append(stream.record_event())
+        while len(self.marks) > PACE_LEAD:
+            self.marks.popleft().synchronize()
+
+    def end_forward(self) -> None:
+        self.marks.clear()
 
 
 def _getter(owner, dotted: str):
@@ -150,6 +172,7 @@ class Executor(RoomKeeping, SavedTensors):
         self.unfitted = False      # Rule 9: a retry after an out-of-memory under the fit
         self.calibrating = False
         self.paced = False         # Rule 10
+        self.pace = Pace(device) if device.type == "cuda" else None
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
@@ -302,7 +325,7 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
                 if self.paced:
-                    _wait_for_compute(self.device)                           # Rule 10
+                    self.pace.before_layer()                                 # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
@@ -331,6 +354,8 @@ class Executor(RoomKeeping, SavedTensors):
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
         self.layer = self.segment = None
+        if self.paced:
+            self.pace.end_forward()
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
             self.tier.end_forward()
