@@ -58,18 +58,18 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         calibration is not made again for it: the limit failed, not the plan. A backward
         one's out-of-memory is autograd's, beyond reach (Rule 5).
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward runs each layer
-        only once the compute stream has run the work queued on it before. The pool decides at
-        every boundary from the copies it finds finished (Rules 6 and 8): with the host layers
-        ahead of the device, it decided on a device that was not there yet, and the steps that
-        trusted their calibration peaked above those that calibrated (whose fitted
-        convolutions also waited): ResNet-101 at batch 896 by 855 MiB, past its budget, at
-        3.85 s a step; waiting for the whole device before each forward layer, its steps held
-        10.70 GiB at 4.05-4.07 s; waiting in backward changed nothing
-        (diagnose_trusting_peak_resnet101_896_*.json). Waiting for the compute stream alone
-        leaves the pool's copies running on theirs: in one device command its trusting steps
-        held 10.78 GiB in 3.86-3.88 s, against 10.70 GiB in 4.00-4.16 s waiting for the device
-        (diagnose_trusting_peak_resnet101_896_pace_*.json). Why the pool's accounting lets the
-        peak differ was not found.
+        only once the compute stream has run what was queued before the layer PACE_LEAD
+        layers back. The pool decides at every boundary from the copies it finds finished
+        (Rules 6 and 8): with the host layers ahead of the device, it decided on a device that
+        was not there yet, and the steps that trusted their calibration peaked above those that
+        calibrated (whose fitted convolutions also waited): ResNet-101 at batch 896 by 855 MiB,
+        past its budget (diagnose_trusting_peak_resnet101_896_*.json). Why the pool's
+        accounting lets the peak differ was not found. Its trusting steps peaked at 10.70 GiB
+        waiting for the whole device before each layer, 10.78 waiting for the compute stream,
+        10.95 with a lead of one or two layers; a wait before each layer idles the device
+        while the host prepares the next, which cost ResNet-50 in bf16 at half of plain's peak
+        0.55 of plain's speed against 0.65 unpaced, 0.59 at a lead of one and 0.62 at two
+        (pace_ab_resnet50_bf16_050_lead_*.json).
 """
 
 import collections
@@ -99,8 +99,8 @@ log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4
 
 
 # Rule 10: how many forward layers the host may queue ahead of the compute stream (0: it waits
-# for the stream to run all queued before each layer)
-PACE_LEAD = 0
+# for the stream to run all queued before each layer); two held ResNet-101's budget at batch 896
+PACE_LEAD = 2
 
 
 class Pace:
