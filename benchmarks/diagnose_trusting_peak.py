@@ -140,7 +140,7 @@ def main():
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
     if args.pace == "device":
-        executor_module.Pace.before_layer = lambda pace: torch.cuda.synchronize()
+        executor_module.Pace.before_layer = lambda pace, position: torch.cuda.synchronize()
     elif args.lead is not None:
         executor_module.PACE_LEAD = args.lead
 

@@ -357,14 +357,11 @@ class _FakeStream:
     """A compute stream whose marks log the host's waits for them."""
 
     def __init__(self):
-        self.made, self.waited, self.synchronized = 0, [], 0
+        self.made, self.waited = 0, []
 
     def record_event(self):
         mark, self.made = self.made, self.made + 1
         return type("Mark", (), {"synchronize": lambda _: self.waited.append(mark)})()
-
-    def synchronize(self):
-        self.synchronized += 1
 
 
 @pytest.mark.parametrize("lead", [0, 1, 2])
@@ -374,15 +371,12 @@ def test_a_paced_forward_queues_at_most_its_lead_of_layers_ahead(monkeypatch, le
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
     pace = executor_module.Pace(torch.device("cuda", 0))
-    for _ in range(5):
-        pace.before_layer()
-    if lead == 0:
-        assert stream.synchronized == 5 and stream.waited == []
-    else:
-        assert stream.waited == list(range(5 - lead)) and stream.synchronized == 0
+    for position in range(5):
+        pace.before_layer(position)
+    assert stream.waited == list(range(5 - lead))
     pace.end_forward()
-    pace.before_layer()                 # a new forward waits for nothing of the last one's
-    assert stream.waited == ([] if lead == 0 else list(range(5 - lead)))
+    pace.before_layer(0)                # a new forward waits for nothing of the last one's
+    assert stream.waited == list(range(5 - lead)) + ([5] if lead == 0 else [])
 
 
 @needs_cuda
@@ -398,7 +392,7 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
     wait, waits = executor_module.Pace.before_layer, []
     monkeypatch.setattr(executor_module.Pace, "before_layer",
-                        lambda pace: (waits.append(pace.device), wait(pace)))
+                        lambda pace, position: (waits.append(position), wait(pace, position)))
     moved, paced = [], []
     for _ in range(3):
         waits.clear()

@@ -98,28 +98,28 @@ from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
 
 
-# Rule 10: how many forward layers the host may queue ahead of the compute stream (0: it waits
-# for the stream to run all queued before each layer); two held ResNet-101's budget at batch 896
+# Rule 10: forward layers the host may queue ahead of the compute stream (0: it waits for the
+# stream to run all queued before each layer); two held ResNet-101's budget at batch 896, a
+# millisecond of the plan's layer times did not (claims_pace_lead_1ms.json)
 PACE_LEAD = 2
 
 
 class Pace:
-    """Rule 10: before each forward layer, the host waits until the compute stream has run all
-    it queued before the layer ``PACE_LEAD`` layers back; the pool's copies on their own
-    streams run on."""
+    """Rule 10: before the forward layer at a route position, the host waits until the compute
+    stream has run all it queued before the layer PACE_LEAD positions back; the pool's copies
+    on their own streams run on."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.marks: collections.deque = collections.deque()
+        self.marks: collections.deque = collections.deque()    # (position, event)
 
-    def before_layer(self) -> None:
-        stream = torch.cuda.current_stream(self.device)
-        if PACE_LEAD == 0:
-            stream.synchronize()
-            return
-        self.marks.append(stream.record_event())
-        while len(self.marks) > PACE_LEAD:
-            self.marks.popleft().synchronize()
+    def before_layer(self, position: int) -> None:
+        self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
+        while self.marks and self._far_enough(position, self.marks[0][0]):
+            self.marks.popleft()[1].synchronize()
+
+    def _far_enough(self, now: int, then: int) -> bool:
+        return now - then >= PACE_LEAD
 
     def end_forward(self) -> None:
         self.marks.clear()
@@ -172,7 +172,6 @@ class Executor(RoomKeeping, SavedTensors):
         self.unfitted = False      # Rule 9: a retry after an out-of-memory under the fit
         self.calibrating = False
         self.paced = False         # Rule 10
-        self.pace = Pace(device) if device.type == "cuda" else None
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
@@ -192,6 +191,7 @@ class Executor(RoomKeeping, SavedTensors):
         self.work_before = [0.0]     # Rule 8: the plan's seconds of the route's first k layers
         for layer in plan.order:
             self.work_before.append(self.work_before[-1] + plan.costs.work[layer])
+        self.pace = Pace(device) if device.type == "cuda" else None
         # planned pool storages a layer's outputs hold: on the device from that layer on, but
         # an entry only once a layer saves them (an output the next layer saves, a branch's
         # output the join saves): until then the pool's room and the calibration count them
@@ -325,7 +325,7 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
                 if self.paced:
-                    self.pace.before_layer()                                 # Rule 10
+                    self.pace.before_layer(position)                         # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
