@@ -130,9 +130,10 @@ def main():
                              "make the peak?")
     parser.add_argument("--no-record", action="store_true", help="peaks only, no trace")
     parser.add_argument("--pace", choices=("device", "compute-stream"), default="compute-stream",
-                        help="what executor Rule 10 waits for before each forward layer: the "
-                             "compute stream alone (the runtime's), which leaves the pool's "
-                             "copies running, or the whole device")
+                        help="what executor Rule 10 waits for before a forward layer: the "
+                             "compute stream alone (the runtime's, --lead layers back), which "
+                             "leaves the pool's copies running, or the whole device (before "
+                             "every layer)")
     parser.add_argument("--lead", type=int, default=None,
                         help="with --pace compute-stream: the forward layers the host may queue "
                              "ahead of the compute stream (executor.PACE_LEAD)")
@@ -171,7 +172,7 @@ def main():
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
         "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace,
-        "lead": executor_module.PACE_LEAD, "steps": rows, "parted": parted})
+        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "steps": rows, "parted": parted})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""A fifth newcomers pass: models and constructs not in the other newcomers_*.py passes or the
-tests, run as those run them (3 AdamW steps from one seed, dropout on where a model takes it,
+"""A fifth newcomers pass: models not in the other newcomers_*.py passes or the tests, and
+constructs the tests' matrix covers in its own small networks, written here once more, run as
+the other passes run them (3 AdamW steps from one seed, dropout on where a model takes it,
 losses and every parameter and buffer compared bit for bit with plain PyTorch, under offload at
 its plan's peak, recompute and superneurons at its floor and halfway):
 
@@ -138,6 +139,7 @@ class DictInOut(nn.Module):
 
 
 def construct(module_class):
+    """A builder for one of the construct modules above, with cross-entropy on 4 classes."""
     def make():
         torch.manual_seed(0)
         model = module_class().train()
@@ -147,6 +149,7 @@ def construct(module_class):
 
 
 def dict_in_out():
+    """DictInOut with its loss: cross-entropy on the logits plus the score's squared error."""
     torch.manual_seed(0)
     model = DictInOut().train()
     x, y = _inputs()

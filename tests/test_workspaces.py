@@ -366,25 +366,32 @@ class _FakeStream:
 
 @pytest.mark.parametrize("lead", [0, 1, 2])
 def test_a_paced_forward_queues_at_most_its_lead_of_layers_ahead(monkeypatch, lead):
-    """Executor Rule 10: before layer k the host waits for all queued before layer k - lead."""
+    """Executor Rule 10: before layer k the host waits for all queued before layer k - lead,
+    in every forward, also after one that raised part-way."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
     pace = executor_module.Pace(torch.device("cuda", 0))
-    for position in range(5):
-        pace.before_layer(position)
-    assert stream.waited == list(range(5 - lead))
-    pace.end_forward()
-    pace.before_layer(0)                # a new forward waits for nothing of the last one's
-    assert stream.waited == list(range(5 - lead)) + ([5] if lead == 0 else [])
+
+    def forward(layers: int) -> list:
+        """The marks waited for in one forward, as numbers of that forward's own marks."""
+        first, waited_before = stream.made, len(stream.waited)
+        pace.begin_forward()
+        for position in range(layers):
+            pace.before_layer(position)
+        return [mark - first for mark in stream.waited[waited_before:]]
+    assert forward(5) == list(range(5 - lead))
+    forward(3)                                             # raised at its fourth layer
+    assert forward(5) == list(range(5 - lead))
 
 
 @needs_cuda
 def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_stream(
         monkeypatch):
-    """Executor Rule 10: the pool decides from the copies it finds finished, so the host does
-    not run layers ahead of the compute stream where the step moves data; a step that moved
-    nothing before runs ahead as PyTorch does."""
+    """Executor Rule 10: the pool decides from the copies it finds finished, so the host runs
+    at most PACE_LEAD layers ahead of the compute stream where the step moves data, pacing
+    every forward layer in route order; a step that moved nothing before runs ahead as PyTorch
+    does."""
     from superneurons.runtime import executor as executor_module
     x = torch.randn(32, 64, 56, 56, device="cuda")
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
@@ -403,3 +410,4 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     assert moved == [True] * 3, "the budget should make the offload policy move data"
     assert [flag for flag, _ in paced] == [False, True, True]
     assert all(waited == flag for flag, waited in paced)
+    assert waits == list(range(executor.num_layers))

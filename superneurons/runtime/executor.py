@@ -51,8 +51,9 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         steps and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
         ab_calibration_resnet101_896.json), most likely not for their engines: a fit waits
         for the device (it returns cached blocks), and waiting before each forward layer
-        alone held them (Rule 10). Not at every step from the first: a fitted step of
-        DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines kept 2.0
+        alone held them (the measurement behind Rule 10). Not at every step from the first:
+        a fitted step of DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines
+        kept 2.0
         (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed one that runs
         out of memory under its limit is retried without it (Rule 5's retry), and the
         calibration is not made again for it: the limit failed, not the plan. A backward
@@ -113,16 +114,14 @@ class Pace:
         self.device = device
         self.marks: collections.deque = collections.deque()    # (position, event)
 
+    def begin_forward(self) -> None:
+        """Marks are positions of one forward: a forward that raised leaves its own behind."""
+        self.marks.clear()
+
     def before_layer(self, position: int) -> None:
         self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
-        while self.marks and self._far_enough(position, self.marks[0][0]):
+        while self.marks and position - self.marks[0][0] >= PACE_LEAD:
             self.marks.popleft()[1].synchronize()
-
-    def _far_enough(self, now: int, then: int) -> bool:
-        return now - then >= PACE_LEAD
-
-    def end_forward(self) -> None:
-        self.marks.clear()
 
 
 def _getter(owner, dotted: str):
@@ -290,6 +289,8 @@ class Executor(RoomKeeping, SavedTensors):
         # Rule 10: from the step after the pool first offloaded (a first step runs within the
         # first-step margin)
         self.paced = self.paced or (self.device.type == "cuda" and self.pool.offloaded_bytes > 0)
+        if self.paced:
+            self.pace.begin_forward()
         self._reset_stats()
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
             self.tier.begin_step([self._named_state(name)
@@ -354,8 +355,6 @@ class Executor(RoomKeeping, SavedTensors):
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
         self.layer = self.segment = None
-        if self.paced:
-            self.pace.end_forward()
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
             self.tier.end_forward()
