@@ -172,7 +172,8 @@ def main():
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
         "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace,
-        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "steps": rows, "parted": parted})
+        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "steps": rows,
+        "parted": parted})
 
 
 if __name__ == "__main__":
