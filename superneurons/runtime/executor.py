@@ -53,11 +53,10 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         for the device (it returns cached blocks), and waiting before each forward layer
         alone held them (the measurement behind Rule 10). Not at every step from the first:
         a fitted step of DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines
-        kept 2.0
-        (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed one that runs
-        out of memory under its limit is retried without it (Rule 5's retry), and the
-        calibration is not made again for it: the limit failed, not the plan. A backward
-        one's out-of-memory is autograd's, beyond reach (Rule 5).
+        kept 2.0 (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed
+        one that runs out of memory under its limit is retried without it (Rule 5's retry),
+        and the calibration is not made again for it: the limit failed, not the plan. A
+        backward one's out-of-memory is autograd's, beyond reach (Rule 5).
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward runs each layer
         only once the compute stream has run what was queued before the layer PACE_LEAD
         layers back. The pool decides at every boundary from the copies it finds finished
@@ -100,8 +99,9 @@ log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4
 
 
 # Rule 10: forward layers the host may queue ahead of the compute stream (0: it waits for the
-# stream to run all queued before each layer); two held ResNet-101's budget at batch 896, a
-# millisecond of the plan's layer times did not (claims_pace_lead_1ms.json)
+# stream to run all queued before each layer). Two keep the device fed while the host prepares
+# the next layer, and held ResNet-101's budget at batch 896, where a lead of many short layers
+# did not (Rule 10's measurements)
 PACE_LEAD = 2
 
 
