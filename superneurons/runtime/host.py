@@ -216,15 +216,19 @@ def _give_back(chunks: list, device: torch.device | None) -> None:
     """Rule 5: chunks mapped here are unregistered once ``device`` has finished the copies
     that may still read or write them (pages.py Rule 2); PyTorch's go back to its pinned
     allocator as their tensors are freed."""
-    pages.give_back([chunk.buffer for chunk in chunks if chunk.mapped and chunk.pinned], device)
+    pages.give_back(_registered(chunks), device)
 
 
 def _collected(chunks: dict, device: torch.device | None) -> None:
     """A store collected without being closed (an executor freed with its step's graph, or
     dropped otherwise than with its plan): its chunks are given back at the next safe point
     (pages.py Rule 2)."""
-    pages.give_back_later([chunk.buffer for chunk in chunks.values()
-                           if chunk.mapped and chunk.pinned], device)
+    pages.give_back_later(_registered(chunks.values()), device)
+
+
+def _registered(chunks) -> list:
+    """The buffers of ``chunks`` that pages.py mapped and CUDA registered."""
+    return [chunk.buffer for chunk in chunks if chunk.mapped and chunk.pinned]
 
 
 def _pinned(num_bytes: int) -> tuple:

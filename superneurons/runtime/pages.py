@@ -139,5 +139,3 @@ def _read_off_last_error() -> None:
         torch.zeros(1, device="cuda")
     except RuntimeError:
         pass
-
-
