@@ -9,7 +9,7 @@ each step's allocated bytes can be read per boundary and the two steps compared 
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
         [--steps 3] [--sync forward|backward|both] [--no-record] [--pace device|compute-stream]
-        [--lead N]
+        [--lead N] [--at moves|every]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
@@ -107,7 +107,9 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
         optimizer.step()
         torch.cuda.synchronize()
         row = {"seconds": time.perf_counter() - began,
-               "peak_allocated_bytes": torch.cuda.max_memory_allocated(), **calibration_of(wrapped)}
+               "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+               "offloaded_bytes": wrapped.stats.offloaded_bytes,
+               "paced_layers": wrapped.stats.paced_layers, **calibration_of(wrapped)}
         if record:
             row.update(curve(torch.cuda.memory._snapshot(), marks, start))
             row["mark_names"] = list(marks.names)
@@ -137,13 +139,20 @@ def main():
     parser.add_argument("--lead", type=int, default=None,
                         help="with --pace compute-stream: the forward layers the host may queue "
                              "ahead of the compute stream (executor.PACE_LEAD)")
+    parser.add_argument("--at", choices=("moves", "every"), default="moves",
+                        help="where the host waits: only where the pool is about to move data "
+                             "(the runtime's) or before every forward layer")
     args = parser.parse_args()
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
     if args.pace == "device":
-        executor_module.Pace.before_layer = lambda pace, position: torch.cuda.synchronize()
+        executor_module.Pace.settle = lambda pace, position: torch.cuda.synchronize()
     elif args.lead is not None:
         executor_module.PACE_LEAD = args.lead
+    if args.at == "every":
+        mark = executor_module.Pace.mark
+        executor_module.Pace.mark = lambda pace, position: (mark(pace, position),
+                                                            pace.settle(position))
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
@@ -167,12 +176,14 @@ def main():
         row.pop("mark_names", None)
     name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
         ("_pace_device" if args.pace == "device" else "") + \
-        (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + ".json"
+        (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + \
+        f"_at_{args.at}.json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
         "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace,
-        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "steps": rows,
+        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "at": args.at,
+        "steps": rows,
         "parted": parted})
 
 

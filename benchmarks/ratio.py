@@ -169,6 +169,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         machine = machine_of(device)
         row.update(moved_bytes=run.stats.offloaded_bytes + run.stats.prefetched_bytes,
                    recomputed_layers=run.stats.recomputed_layers,
+                   paced_layers=run.stats.paced_layers,
                    predicted_peak_bytes=run.stats.predicted_peak_bytes,
                    policy=run.stats.policy, first_step=first,
                    machine={"memory_bytes_per_s": machine.memory_bytes_per_s,

@@ -365,8 +365,8 @@ class _FakeStream:
 
 
 @pytest.mark.parametrize("lead", [0, 1, 2])
-def test_a_paced_forward_queues_at_most_its_lead_of_layers_ahead(monkeypatch, lead):
-    """Executor Rule 10: before layer k the host waits for all queued before layer k - lead,
+def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monkeypatch, lead):
+    """Executor Rule 10: settling after layer k waits for all queued before layer k - lead,
     in every forward, also after one that raised part-way."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
@@ -378,36 +378,71 @@ def test_a_paced_forward_queues_at_most_its_lead_of_layers_ahead(monkeypatch, le
         first, waited_before = stream.made, len(stream.waited)
         pace.begin_forward()
         for position in range(layers):
-            pace.before_layer(position)
+            pace.mark(position)
+            pace.settle(position)
         return [mark - first for mark in stream.waited[waited_before:]]
     assert forward(5) == list(range(5 - lead))
     forward(3)                                             # raised at its fourth layer
     assert forward(5) == list(range(5 - lead))
+    assert pace.waits == 5 - lead
+
+
+def test_a_paced_forward_waits_for_the_device_only_where_the_pool_moves_data(monkeypatch):
+    """Executor Rule 10, run on the CPU with a fake compute stream: every forward layer is
+    marked, and the host settles after exactly the layers whose room sends data away."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    model = _net("cpu")
+    x = torch.randn(4, 64, 16, 16)
+    liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
+    floor = sn.plan(_net("cpu"), x, policy="offload").peak_bytes
+    wrapped = sn.wrap(model, policy="offload", budget=(floor + liveness) // 2)
+    wrapped(x).sum().backward()
+    executor = wrapped._last[1]
+    executor.pace, executor.paced = executor_module.Pace(CUDA0), True   # as after a CUDA step
+    settled, moved, marked = [], set(), []
+    pool, settle, mark = executor.pool, executor_module.Pace.settle, executor_module.Pace.mark
+    monkeypatch.setattr(executor_module.Pace, "settle", lambda pace, position: (
+        settled.append(position), settle(pace, position)))
+    monkeypatch.setattr(executor_module.Pace, "mark", lambda pace, position: (
+        marked.append(position), mark(pace, position)))
+    for name in ("make_room", "offload_early"):
+        def logged(step, *args, _method=getattr(pool, name), **kwargs):
+            before = pool.offloaded_bytes
+            _method(step, *args, **kwargs)
+            if kwargs.get("forward", name == "offload_early") and pool.offloaded_bytes > before:
+                moved.add(step - 1)                   # the room made after the layer before
+        monkeypatch.setattr(pool, name, logged)
+    wrapped(x).sum().backward()
+    assert marked == list(range(executor.num_layers))
+    assert moved and len(moved) < executor.num_layers, "the budget should move some data"
+    assert sorted(set(settled)) == sorted(moved)
+    assert 0 < wrapped.stats.paced_layers == len(stream.waited) <= len(moved)
 
 
 @needs_cuda
 def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_stream(
         monkeypatch):
-    """Executor Rule 10: the pool decides from the copies it finds finished, so the host runs
-    at most PACE_LEAD layers ahead of the compute stream where the step moves data, pacing
-    every forward layer in route order; a step that moved nothing before runs ahead as PyTorch
+    """Executor Rule 10: the pool decides from the copies it finds finished, so where a step
+    moves data the host marks every forward layer, in route order, and waits for the compute
+    stream where the pool moves data; a step that moved nothing before runs ahead as PyTorch
     does."""
     from superneurons.runtime import executor as executor_module
     x = torch.randn(32, 64, 56, 56, device="cuda")
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
-    wait, waits = executor_module.Pace.before_layer, []
-    monkeypatch.setattr(executor_module.Pace, "before_layer",
-                        lambda pace, position: (waits.append(position), wait(pace, position)))
+    mark, marks = executor_module.Pace.mark, []
+    monkeypatch.setattr(executor_module.Pace, "mark",
+                        lambda pace, position: (marks.append(position), mark(pace, position)))
     moved, paced = [], []
     for _ in range(3):
-        waits.clear()
+        marks.clear()
         wrapped(x).sum().backward()
         executor = wrapped._last[1]
         moved.append(executor.pool.offloaded_bytes > 0)
-        paced.append((executor.paced, len(waits) >= executor.num_layers))
+        paced.append((executor.paced, len(marks) == executor.num_layers,
+                      wrapped.stats.paced_layers > 0))
     assert moved == [True] * 3, "the budget should make the offload policy move data"
-    assert [flag for flag, _ in paced] == [False, True, True]
-    assert all(waited == flag for flag, waited in paced)
-    assert waits == list(range(executor.num_layers))
+    assert paced == [(False, False, False), (True, True, True), (True, True, True)]
+    assert marks == list(range(executor.num_layers))

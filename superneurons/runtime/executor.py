@@ -57,19 +57,18 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         one that runs out of memory under its limit is retried without it (Rule 5's retry),
         and the calibration is not made again for it: the limit failed, not the plan. A
         backward one's out-of-memory is autograd's, beyond reach (Rule 5).
-Rule 10: on CUDA, once the pool has offloaded in a step, every later forward runs each layer
-        only once the compute stream has run what was queued before the layer PACE_LEAD
-        layers back. The pool decides at every boundary from the copies it finds finished
+Rule 10: on CUDA, once the pool has offloaded in a step, every later forward marks the compute
+        stream before each layer, and before the pool moves data after a layer (its room,
+        Rule 8's early copies) the host waits until the stream has run what was queued before
+        the layer PACE_LEAD layers back. The pool decides from the copies it finds finished
         (Rules 6 and 8): with the host layers ahead of the device, it decided on a device that
         was not there yet, and the steps that trusted their calibration peaked above those that
-        calibrated (whose fitted convolutions also waited): ResNet-101 at batch 896 by 855 MiB,
-        past its budget (diagnose_trusting_peak_resnet101_896_*.json). Why the pool's
-        accounting lets the peak differ was not found. Its trusting steps peaked at 10.70 GiB
-        waiting for the whole device before each layer, 10.78 waiting for the compute stream,
-        10.95 with a lead of one or two layers; a wait before each layer idles the device
-        while the host prepares the next, which cost ResNet-50 in bf16 at half of plain's peak
-        0.55 of plain's speed against 0.65 unpaced, 0.59 at a lead of one and 0.62 at two
-        (pace_ab_resnet50_bf16_050_lead_*.json).
+        calibrated: ResNet-101 at batch 896 by 855 MiB, past its budget
+        (diagnose_trusting_peak_resnet101_896_*.json); why was not found. Waiting before every
+        forward layer held those steps (10.70-10.95 GiB) but idled the device while the host
+        prepared each layer; waiting only where the pool moves data held them too (10.78 GiB)
+        and lets the host run ahead elsewhere: ResNet-50 in bf16 at half of plain's peak ran
+        at 0.65 of plain's speed against 0.55 (ratio_*_pace_at_*.json).
 """
 
 import collections
@@ -98,30 +97,39 @@ from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
 
 
-# Rule 10: forward layers the host may queue ahead of the compute stream (0: it waits for the
-# stream to run all queued before each layer). Two keep the device fed while the host prepares
-# the next layer, and held ResNet-101's budget at batch 896, where a lead of many short layers
-# did not (Rule 10's measurements)
+# Rule 10: forward layers the host may have queued ahead of the compute stream when the pool
+# moves data (0: all queued before). Two, waiting before every layer, kept the device fed while
+# the host prepared the next layer and held ResNet-101's budget at batch 896, where a lead of
+# many short layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
 PACE_LEAD = 2
 
 
 class Pace:
-    """Rule 10: before the forward layer at a route position, the host waits until the compute
-    stream has run all it queued before the layer PACE_LEAD positions back; the pool's copies
-    on their own streams run on."""
+    """Rule 10: the host marks the compute stream before each forward layer; before the pool
+    moves data after the layer at a route position, it waits until the stream has run all it
+    queued before the layer PACE_LEAD positions back. The pool's copies on their own streams
+    run on, and where the pool moves nothing the host runs ahead as PyTorch lets it."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.marks: collections.deque = collections.deque()    # (position, event)
+        self.waits = 0                         # this forward's settles that waited
 
     def begin_forward(self) -> None:
         """Marks are positions of one forward: a forward that raised leaves its own behind."""
         self.marks.clear()
+        self.waits = 0
 
-    def before_layer(self, position: int) -> None:
+    def mark(self, position: int) -> None:
         self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
+
+    def settle(self, position: int) -> None:
+        last = None
         while self.marks and position - self.marks[0][0] >= PACE_LEAD:
-            self.marks.popleft()[1].synchronize()
+            last = self.marks.popleft()[1]
+        if last is not None:         # the stream ran the earlier marks before it
+            last.synchronize()
+            self.waits += 1
 
 
 def _getter(owner, dotted: str):
@@ -326,7 +334,7 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
                 if self.paced:
-                    self.pace.before_layer(position)                         # Rule 10
+                    self.pace.mark(position)                                 # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
@@ -350,8 +358,10 @@ class Executor(RoomKeeping, SavedTensors):
                         self._env_drops(node)
                 # room for the next layer: what only this layer read may leave now
                 awaiting = self._awaiting_bytes()    # making room adds no entries: once
-                self.pool.make_room(position + 1, forward=True,
-                                    limit=self._room_for_next(position, awaiting))
+                limit = self._room_for_next(position, awaiting)
+                if self.paced and self.pool.over(limit):
+                    self.pace.settle(position)                               # Rule 10
+                self.pool.make_room(position + 1, forward=True, limit=limit)
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
         self.layer = self.segment = None

@@ -540,7 +540,8 @@ class SuperNeuronsModule(nn.Module):
                          pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
                          executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                          executor.calibration_seconds,
-                         executor.tier.moved_bytes if executor.tier is not None else 0, **made)
+                         executor.tier.moved_bytes if executor.tier is not None else 0,
+                         executor.pace.waits if executor.paced else 0, **made)
 
 
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:

@@ -124,6 +124,12 @@ class TensorPool:
             in_flight += self._offload(entry)
         self._drain(limit)
 
+    def over(self, limit: int) -> bool:
+        """Whether make_room with this ``limit`` would move data: the pool holds more than it,
+        offloads already finished freed."""
+        self._drain(limit=None)
+        return 0 < self.device_bytes and self.device_bytes > limit
+
     def offload_early(self, step: int, nbytes: int, by_step: int) -> None:
         """Rule 6: of the least recently used entries that make_room at ``by_step`` would send
         away to have ``nbytes`` leave (copies in flight count), start copying those free to

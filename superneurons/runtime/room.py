@@ -123,12 +123,27 @@ class RoomKeeping:
             rooms = self._rooms_ahead()         # again when the calibration changes
             self.rooms_ahead = (key, rooms, RangeMax([-room for room in rooms]))
         _, rooms, tightest = self.rooms_ahead
-        # the memory the model does not own takes the same room at every step: added here,
-        # not to the table, which would be made again whenever the caller's tensors change
-        held = pool.device_bytes + awaiting - self.pool_live[position] + \
-            (self.foreign_bytes if self.count_foreign else 0)
-        if held + tightest(position + 2, last) <= 0:
+        if self._held(awaiting, position) + tightest(position + 2, last) <= 0:
             return                                       # nothing ahead needs room
+        need, by_step = self._leaving(position, last, awaiting, rooms)
+        if need > 0 and self.paced:              # Rule 10: decided on the device as it is
+            self.pace.settle(position)
+            pool.free_finished()
+            need, by_step = self._leaving(position, last, awaiting, rooms)
+        if need > 0:
+            pool.offload_early(position + 1, need, by_step)
+
+    def _held(self, awaiting: int, position: int) -> int:
+        """The pool's bytes on the device beyond its planned ones at forward step ``position``;
+        the memory the model does not own takes the same room at every step: added here, not to
+        the table of rooms, which would be made again whenever the caller's tensors change."""
+        return self.pool.device_bytes + awaiting - self.pool_live[position] + \
+            (self.foreign_bytes if self.count_foreign else 0)
+
+    def _leaving(self, position: int, last: int, awaiting: int, rooms: list) -> tuple:
+        """(bytes that must have left by a step up to ``last``, that step) where the copies
+        started later would be late; (0, None) where none."""
+        held = self._held(awaiting, position)
         link = self.plan.costs.machine.link_bytes_per_s
         started = self.work_before[position + 1]
         need, by_step = 0, None
@@ -136,8 +151,7 @@ class RoomKeeping:
             leaving = held - rooms[ahead]
             if leaving > need and leaving > (self.work_before[ahead] - started) * link:
                 need, by_step = leaving, ahead           # later, the copies would be late
-        if need > 0:
-            pool.offload_early(position + 1, need, by_step)
+        return need, by_step
 
     def _rooms_ahead(self) -> list:
         """Per forward step a: the room _room_for_next(a - 1) will give, the memory the model
