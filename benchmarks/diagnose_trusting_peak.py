@@ -139,9 +139,9 @@ def main():
     parser.add_argument("--lead", type=int, default=None,
                         help="with --pace compute-stream: the forward layers the host may queue "
                              "ahead of the compute stream (executor.PACE_LEAD)")
-    parser.add_argument("--at", choices=("moves", "every"), default="moves",
-                        help="where the host waits: only where the pool is about to move data "
-                             "(the runtime's) or before every forward layer")
+    parser.add_argument("--at", choices=("moves", "every"), default=None,
+                        help="where the host waits: only where the pool is about to move data, "
+                             "or before every forward layer (by default as the runtime chooses)")
     args = parser.parse_args()
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
@@ -149,10 +149,13 @@ def main():
         executor_module.Pace.settle = lambda pace, position: torch.cuda.synchronize()
     elif args.lead is not None:
         executor_module.PACE_LEAD = args.lead
-    if args.at == "every":
-        mark = executor_module.Pace.mark
-        executor_module.Pace.mark = lambda pace, position: (mark(pace, position),
-                                                            pace.settle(position))
+    if args.at is not None:
+        begin = executor_module.Pace.begin_forward
+
+        def begin_forward_pacing_as_said(pace, num_layers):
+            begin(pace, num_layers)
+            pace.everywhere = args.at == "every"
+        executor_module.Pace.begin_forward = begin_forward_pacing_as_said
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
@@ -177,7 +180,7 @@ def main():
     name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
         ("_pace_device" if args.pace == "device" else "") + \
         (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + \
-        f"_at_{args.at}.json"
+        (f"_at_{args.at}" if args.at else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,

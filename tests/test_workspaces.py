@@ -366,8 +366,8 @@ class _FakeStream:
 
 @pytest.mark.parametrize("lead", [0, 1, 2])
 def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monkeypatch, lead):
-    """Executor Rule 10: settling after layer k waits for all queued before layer k - lead,
-    in every forward, also after one that raised part-way."""
+    """Executor Rule 10: waiting before every layer, the host waits before layer k for all
+    queued before layer k - lead, in every forward, also after one that raised part-way."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
@@ -376,10 +376,10 @@ def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monke
     def forward(layers: int) -> list:
         """The marks waited for in one forward, as numbers of that forward's own marks."""
         first, waited_before = stream.made, len(stream.waited)
-        pace.begin_forward()
+        pace.begin_forward(layers)
+        pace.everywhere = True
         for position in range(layers):
-            pace.mark(position)
-            pace.settle(position)
+            pace.before_layer(position)
         return [mark - first for mark in stream.waited[waited_before:]]
     assert forward(5) == list(range(5 - lead))
     forward(3)                                             # raised at its fourth layer
@@ -387,9 +387,11 @@ def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monke
     assert pace.waits == 5 - lead
 
 
-def test_a_paced_forward_waits_for_the_device_only_where_the_pool_moves_data(monkeypatch):
+def test_a_paced_forward_waits_where_the_pool_moves_data_or_before_every_layer(monkeypatch):
     """Executor Rule 10, run on the CPU with a fake compute stream: every forward layer is
-    marked, and the host settles after exactly the layers whose room sends data away."""
+    marked; a first paced forward waits before every layer, and a later one only where the pool
+    sends data away, unless the forward before it did so after more than
+    PACE_EVERY_LAYER_SHARE of its layers."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     model = _net("cpu")
@@ -400,12 +402,10 @@ def test_a_paced_forward_waits_for_the_device_only_where_the_pool_moves_data(mon
     wrapped(x).sum().backward()
     executor = wrapped._last[1]
     executor.pace, executor.paced = executor_module.Pace(CUDA0), True   # as after a CUDA step
-    settled, moved, marked = [], set(), []
-    pool, settle, mark = executor.pool, executor_module.Pace.settle, executor_module.Pace.mark
+    settled, moved = [], set()
+    pool, settle = executor.pool, executor_module.Pace.settle
     monkeypatch.setattr(executor_module.Pace, "settle", lambda pace, position: (
         settled.append(position), settle(pace, position)))
-    monkeypatch.setattr(executor_module.Pace, "mark", lambda pace, position: (
-        marked.append(position), mark(pace, position)))
     for name in ("make_room", "offload_early"):
         def logged(step, *args, _method=getattr(pool, name), **kwargs):
             before = pool.offloaded_bytes
@@ -413,11 +413,23 @@ def test_a_paced_forward_waits_for_the_device_only_where_the_pool_moves_data(mon
             if kwargs.get("forward", name == "offload_early") and pool.offloaded_bytes > before:
                 moved.add(step - 1)                   # the room made after the layer before
         monkeypatch.setattr(pool, name, logged)
-    wrapped(x).sum().backward()
-    assert marked == list(range(executor.num_layers))
-    assert moved and len(moved) < executor.num_layers, "the budget should move some data"
+
+    def paced_forward(share: float) -> bool:
+        """Whether the forward waited before every layer."""
+        monkeypatch.setattr(executor_module, "PACE_EVERY_LAYER_SHARE", share)
+        settled.clear(), moved.clear()
+        wrapped(x).sum().backward()
+        return executor.pace.everywhere
+    layers = executor.num_layers
+    assert paced_forward(1.0)                               # no forward has said where yet
+    assert wrapped.stats.paced_layers == layers - executor_module.PACE_LEAD
+    assert moved and len(moved) < layers, "the budget should move some data"
+    assert not paced_forward(1.0)
     assert sorted(set(settled)) == sorted(moved)
-    assert 0 < wrapped.stats.paced_layers == len(stream.waited) <= len(moved)
+    assert 0 < wrapped.stats.paced_layers <= len(moved)
+    assert paced_forward(0.0)
+    assert wrapped.stats.paced_layers == layers - executor_module.PACE_LEAD
+    assert stream.made == 3 * layers
 
 
 @needs_cuda
@@ -432,8 +444,8 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
-    mark, marks = executor_module.Pace.mark, []
-    monkeypatch.setattr(executor_module.Pace, "mark",
+    mark, marks = executor_module.Pace.before_layer, []
+    monkeypatch.setattr(executor_module.Pace, "before_layer",
                         lambda pace, position: (marks.append(position), mark(pace, position)))
     moved, paced = [], []
     for _ in range(3):

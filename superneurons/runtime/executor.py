@@ -60,15 +60,17 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward marks the compute
         stream before each layer, and before the pool moves data after a layer (its room,
         Rule 8's early copies) the host waits until the stream has run what was queued before
-        the layer PACE_LEAD layers back. The pool decides from the copies it finds finished
-        (Rules 6 and 8): with the host layers ahead of the device, it decided on a device that
-        was not there yet, and the steps that trusted their calibration peaked above those that
+        the layer PACE_LEAD layers back; after a forward that moved data after many of its
+        layers, before every layer. The pool decides from the copies it finds finished (Rules
+        6 and 8): with the host layers ahead of the device, it decided on a device that was not
+        there yet, and the steps that trusted their calibration peaked above those that
         calibrated: ResNet-101 at batch 896 by 855 MiB, past its budget
-        (diagnose_trusting_peak_resnet101_896_*.json); why was not found. Waiting before every
-        forward layer held those steps (10.70-10.95 GiB) but idled the device while the host
-        prepared each layer; waiting only where the pool moves data held them too (10.78 GiB)
-        and lets the host run ahead elsewhere: ResNet-50 in bf16 at half of plain's peak ran
-        at 0.65 of plain's speed against 0.55 (ratio_*_pace_at_*.json).
+        (diagnose_trusting_peak_resnet101_896_*.json). Why was not found, and waiting only
+        where the pool moves did not cure it there (claims_6996e3e_paced_at_moves.json):
+        waiting before every layer did. That idles the device while the host prepares each
+        layer: ResNet-50 in bf16 at half of plain's peak, which moves data after few layers,
+        ran at 0.55 of plain's speed waiting before each, 0.65 only where the pool moves
+        (ratio_*_pace_at_*.json).
 """
 
 import collections
@@ -97,31 +99,49 @@ from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
 
 
-# Rule 10: forward layers the host may have queued ahead of the compute stream when the pool
-# moves data (0: all queued before). Two, waiting before every layer, kept the device fed while
-# the host prepared the next layer and held ResNet-101's budget at batch 896, where a lead of
-# many short layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
+# Rule 10: forward layers the host may have queued ahead of the compute stream when it waits
+# (0: all queued before). Two, waiting before every layer, kept the device fed while the host
+# prepared the next layer and held ResNet-101's budget at batch 896, where a lead of many short
+# layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
 PACE_LEAD = 2
+# Rule 10: a forward whose last one moved data after more than this share of its layers waits
+# before every layer. ResNet-101 at batch 896 moved data after 84% of its forward layers: waiting
+# only there, it passed its budget; waiting before every layer, it held it. The rows of
+# ratio_*_pace_at_*.json moved data after at most 5%: they peaked the same either way, and ran
+# up to 0.15 of plain's speed faster waiting only there. A quarter lies between, not tuned.
+PACE_EVERY_LAYER_SHARE = 0.25
 
 
 class Pace:
-    """Rule 10: the host marks the compute stream before each forward layer; before the pool
-    moves data after the layer at a route position, it waits until the stream has run all it
-    queued before the layer PACE_LEAD positions back. The pool's copies on their own streams
-    run on, and where the pool moves nothing the host runs ahead as PyTorch lets it."""
+    """Rule 10: the host marks the compute stream before each forward layer, and waits until the
+    stream has run all it queued before the layer PACE_LEAD positions back: before the pool
+    moves data after a layer, and before every layer in a forward that follows one which moved
+    data after many of its layers. The pool's copies on their own streams run on; elsewhere the
+    host runs ahead as PyTorch lets it."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.marks: collections.deque = collections.deque()    # (position, event)
-        self.waits = 0                         # this forward's settles that waited
+        self.everywhere = True           # before a forward has said where the pool moves
+        self.moves = None                # positions of this forward where the pool moved data
+        self.waits = 0                   # this forward's settles that waited
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, num_layers: int) -> None:
         """Marks are positions of one forward: a forward that raised leaves its own behind."""
+        if self.moves is not None:
+            self.everywhere = len(self.moves) > PACE_EVERY_LAYER_SHARE * num_layers
         self.marks.clear()
-        self.waits = 0
+        self.moves, self.waits = set(), 0
 
-    def mark(self, position: int) -> None:
+    def before_layer(self, position: int) -> None:
         self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
+        if self.everywhere:
+            self.settle(position)
+
+    def before_move(self, position: int) -> None:
+        """The pool is about to move data after the layer at ``position``."""
+        self.moves.add(position)
+        self.settle(position)
 
     def settle(self, position: int) -> None:
         last = None
@@ -298,7 +318,7 @@ class Executor(RoomKeeping, SavedTensors):
         # first-step margin)
         self.paced = self.paced or (self.device.type == "cuda" and self.pool.offloaded_bytes > 0)
         if self.paced:
-            self.pace.begin_forward()
+            self.pace.begin_forward(self.num_layers)
         self._reset_stats()
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
             self.tier.begin_step([self._named_state(name)
@@ -334,7 +354,7 @@ class Executor(RoomKeeping, SavedTensors):
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
                 if self.paced:
-                    self.pace.mark(position)                                 # Rule 10
+                    self.pace.before_layer(position)                         # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
@@ -360,7 +380,7 @@ class Executor(RoomKeeping, SavedTensors):
                 awaiting = self._awaiting_bytes()    # making room adds no entries: once
                 limit = self._room_for_next(position, awaiting)
                 if self.paced and self.pool.over(limit):
-                    self.pace.settle(position)                               # Rule 10
+                    self.pace.before_move(position)                          # Rule 10
                 self.pool.make_room(position + 1, forward=True, limit=limit)
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)

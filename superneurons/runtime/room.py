@@ -127,7 +127,7 @@ class RoomKeeping:
             return                                       # nothing ahead needs room
         need, by_step = self._leaving(position, last, awaiting, rooms)
         if need > 0 and self.paced:              # Rule 10: decided on the device as it is
-            self.pace.settle(position)
+            self.pace.before_move(position)
             pool.free_finished()
             need, by_step = self._leaving(position, last, awaiting, rooms)
         if need > 0:
