@@ -66,6 +66,7 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
                     "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                     "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
+                    "paced_layers": getattr(stats, "paced_layers", 0),
                     # the first step's parts: host memory taken (pinned), allocator readings
                     "host_memory_seconds": getattr(stats, "host_memory_seconds", 0.0),
                     "calibration_seconds": getattr(stats, "calibration_seconds", 0.0),
