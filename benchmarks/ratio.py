@@ -218,6 +218,20 @@ def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECOND
     return run_child(command, timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
+def rates_measured_alone() -> dict:
+    """The device's rates, measured by a process of their own before any worker shares the GPU,
+    into a cache folder of this run that every child reads (runtime/machine.py): a child
+    measuring them beside other workers' first steps planned with bf16 rates 29 to 60 times
+    too slow (ratio_*_998e2f5_contended_rates.json)."""
+    from common import run_child
+    os.environ["SUPERNEURONS_CACHE_DIR"] = tempfile.mkdtemp(prefix="ratio_rates_")
+    script = ("import json, torch; from dataclasses import asdict; from common import "
+              "torch_settings; torch_settings(); from superneurons.runtime.machine import "
+              "machine_of; print(json.dumps(asdict(machine_of(torch.device('cuda', 0)))))")
+    return run_child([sys.executable, "-c", script], CHILD_SECONDS,
+                     cwd=os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: int = 1) -> dict:
     """Every case's (model, dtype) plain row first, one at a time (its peak sets the caps);
     then each case's capped rows and a plain control, ``workers`` at a time, ratio by ratio
@@ -325,6 +339,7 @@ def main():
     # what a compilation may use beside the other processes
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS",
                           str(max(1, (os.cpu_count() or 2) // max(1, args.workers))))
+    print(json.dumps({"rates": rates_measured_alone()}), flush=True)
     run_all(args.out, [(m, d) for m in args.models for d in args.dtypes], args.systems,
             args.ratios, args.steps, workers=args.workers)
     if args.plot:

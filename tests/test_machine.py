@@ -87,6 +87,28 @@ def test_measured_rates_are_kept_on_disk_by_device_and_versions(tmp_path, monkey
     assert machine._load("device A") is None
 
 
+@pytest.mark.parametrize("others_gib, kept", [(0.7, True), (6.0, False)])
+def test_rates_measured_beside_other_processes_are_not_kept_for_later_ones(
+        tmp_path, monkeypatch, others_gib, kept):
+    """Another process's kernels may share the device with the measurement; its bare context
+    does not."""
+    import contextlib
+    from superneurons.runtime import machine
+    monkeypatch.setenv(machine.CACHE_DIR, str(tmp_path))
+    monkeypatch.setattr(machine, "_MEASURED", {})
+    monkeypatch.setattr(machine, "_disk_key", lambda index, tf32: "device A")
+    monkeypatch.setattr(machine, "_measure", lambda device: replace(H200, source="measured"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "GPU")
+    total, ours = 140 << 30, 3 << 30
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: ours)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (
+        total - ours - int(others_gib * (1 << 30)), total))
+    assert machine_of(torch.device("cuda", 0)).source == "measured"
+    assert (machine._load("device A") is not None) == kept
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: measures the device's rates")
 def test_a_new_process_reads_the_rates_instead_of_measuring(tmp_path, monkeypatch):
     from superneurons.runtime import machine

@@ -11,7 +11,10 @@ Measuring costs a first step tenths of a second on the GPU (each dtype's first c
 chooses its algorithm), so the rates are kept on disk too: a later process on the same device
 and library versions reads them (SUPERNEURONS_CACHE_DIR, by default
 ~/.cache/superneurons; set it empty to measure in every process). A cache that cannot be read
-or written is measured around, never an error.
+or written is measured around, never an error. Rates measured while other processes hold more
+than a bare context's memory on the device are this process's alone: their kernels may have
+shared the device with the measurement (bf16 convolutions measured at 1.22e13 FLOP/s beside
+other training processes' first steps, 3.5e14 alone), and a later process would plan with them.
 """
 
 import json
@@ -36,6 +39,10 @@ _MATMUL_SIZE = 2048
 _CONV = (32, 256, 28, 28)    # a ResNet stage-2 3x3 convolution: batch, channels, height, width
 _REPEATS = 5
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# device memory this process and idle others may hold outside its allocator and still measure
+# alone: its own CUDA context and another process's bare one (738 MiB in the out-of-memory
+# message of benchmarks/results/ratio_resnet50_fp32_998e2f5_contended_rates.json)
+_CONTEXTS_BYTES = 2 << 30
 
 
 def machine_of(device: torch.device) -> Machine:
@@ -54,9 +61,19 @@ def machine_of(device: torch.device) -> Machine:
             with torch.cuda.device(index), torch.no_grad(), \
                     torch.autocast("cuda", enabled=False):
                 machine = _measure(torch.device("cuda", index))
-            _store(disk_key, machine)
+            if _alone(index):
+                _store(disk_key, machine)
+            else:
+                log.info("other processes hold memory on %s: its measured rates are kept for "
+                         "this process alone", torch.cuda.get_device_name(index))
         _MEASURED[key] = machine
     return _MEASURED[key]
+
+
+def _alone(index: int) -> bool:
+    """Whether no other process holds more of the device than a bare context."""
+    free, total = torch.cuda.mem_get_info(index)
+    return total - free - torch.cuda.memory_reserved(index) <= _CONTEXTS_BYTES
 
 
 def _disk_key(index: int, tf32: tuple) -> str:
