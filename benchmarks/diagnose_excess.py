@@ -63,7 +63,8 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
                       "peak_allocated": torch.cuda.max_memory_allocated(device),
                       "offloaded": stats.offloaded_bytes, "prefetched": stats.prefetched_bytes,
                       "recomputed_layers": stats.recomputed_layers})
-    plan, executor = run.plan_for(*args, **kwargs)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):   # the steps'
+        plan, executor = run.plan_for(*args, **kwargs)
     layer_of_step = {}
     for position, layer in enumerate(plan.order):
         layer_of_step[position] = plan.graph.layers[layer].name
