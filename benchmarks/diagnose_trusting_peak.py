@@ -145,8 +145,9 @@ def main():
     args = parser.parse_args()
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
-    if args.pace == "device":
+    if args.pace == "device":                 # the whole device, before every forward layer
         executor_module.Pace.settle = lambda pace, position: torch.cuda.synchronize()
+        args.at = "every"
     elif args.lead is not None:
         executor_module.PACE_LEAD = args.lead
     if args.at is not None:
@@ -180,7 +181,7 @@ def main():
     name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
         ("_pace_device" if args.pace == "device" else "") + \
         (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + \
-        (f"_at_{args.at}" if args.at else "") + ".json"
+        (f"_at_{args.at}" if args.at and args.pace != "device" else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,

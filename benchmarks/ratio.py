@@ -220,16 +220,22 @@ def in_child(name, dtype, system, ratio, plain_peak, steps, timeout=CHILD_SECOND
 
 def rates_measured_alone() -> dict:
     """The device's rates, measured by a process of their own before any worker shares the GPU,
-    into a cache folder of this run that every child reads (runtime/machine.py): a child
-    measuring them beside other workers' first steps planned with bf16 rates 29 to 60 times
-    too slow (ratio_*_998e2f5_contended_rates.json)."""
+    into the cache folder every child reads (runtime/machine.py; a folder of this run unless
+    SUPERNEURONS_CACHE_DIR names one): a child measuring them beside other workers' first steps
+    planned with bf16 rates 29 to 60 times too slow (ratio_*_998e2f5_contended_rates.json)."""
     from common import run_child
-    os.environ["SUPERNEURONS_CACHE_DIR"] = tempfile.mkdtemp(prefix="ratio_rates_")
+    folder = os.environ.get("SUPERNEURONS_CACHE_DIR") or tempfile.mkdtemp(prefix="ratio_rates_")
+    os.environ["SUPERNEURONS_CACHE_DIR"] = folder
     script = ("import json, torch; from dataclasses import asdict; from common import "
               "torch_settings; torch_settings(); from superneurons.runtime.machine import "
               "machine_of; print(json.dumps(asdict(machine_of(torch.device('cuda', 0)))))")
-    return run_child([sys.executable, "-c", script], CHILD_SECONDS,
-                     cwd=os.path.dirname(os.path.abspath(__file__)))
+    rates = run_child([sys.executable, "-c", script], CHILD_SECONDS,
+                      cwd=os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(folder, "machine_rates.json")):
+        raise SystemExit(f"the device's rates were not kept in {folder} ({rates}): other "
+                         "processes hold memory on the GPU, or it could not be measured; every "
+                         "worker would measure them beside the others")
+    return rates
 
 
 def run_all(out: str, cases, systems, ratios, steps, child=in_child, workers: int = 1) -> dict:

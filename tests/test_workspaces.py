@@ -367,22 +367,25 @@ class _FakeStream:
 @pytest.mark.parametrize("lead", [0, 1, 2])
 def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monkeypatch, lead):
     """Executor Rule 10: waiting before every layer, the host waits before layer k for all
-    queued before layer k - lead, in every forward, also after one that raised part-way."""
+    queued before layer k - lead; it does so in the first paced forward and after one that
+    raised part-way, whose marks and moves say nothing of the next."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
     pace = executor_module.Pace(torch.device("cuda", 0))
 
-    def forward(layers: int) -> list:
+    def forward(layers: int, ends: bool = True) -> list:
         """The marks waited for in one forward, as numbers of that forward's own marks."""
         first, waited_before = stream.made, len(stream.waited)
         pace.begin_forward(layers)
-        pace.everywhere = True
         for position in range(layers):
             pace.before_layer(position)
+        if ends:
+            pace.end_forward()
         return [mark - first for mark in stream.waited[waited_before:]]
-    assert forward(5) == list(range(5 - lead))
-    forward(3)                                             # raised at its fourth layer
+    assert forward(5) == list(range(5 - lead))             # the first paced forward
+    assert forward(5) == []                                # the pool moved nothing in it
+    forward(3, ends=False)                                 # raised at its fourth layer
     assert forward(5) == list(range(5 - lead))
     assert pace.waits == 5 - lead
 

@@ -34,9 +34,12 @@ elif _LEAD.endswith("s"):
             self.pace.work_before = self.work_before     # the plan's seconds of the first k layers
 
     def _settle_in_seconds(pace, position):      # the marks' positions, in planned seconds
+        last = None
         while pace.marks and \
                 pace.work_before[position] - pace.work_before[pace.marks[0][0]] >= _SECONDS:
-            pace.marks.popleft()[1].synchronize()
+            last = pace.marks.popleft()[1]
+        if last is not None:
+            last.synchronize()
             pace.waits += 1
     _executor.Executor.__init__ = _init_knowing_layer_times
     _executor.Pace.settle = _settle_in_seconds

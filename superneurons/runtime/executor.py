@@ -58,19 +58,19 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         and the calibration is not made again for it: the limit failed, not the plan. A
         backward one's out-of-memory is autograd's, beyond reach (Rule 5).
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward marks the compute
-        stream before each layer, and before the pool moves data after a layer (its room,
-        Rule 8's early copies) the host waits until the stream has run what was queued before
-        the layer PACE_LEAD layers back; after a forward that moved data after many of its
-        layers, before every layer. The pool decides from the copies it finds finished (Rules
-        6 and 8): with the host layers ahead of the device, it decided on a device that was not
-        there yet, and the steps that trusted their calibration peaked above those that
-        calibrated: ResNet-101 at batch 896 by 855 MiB, past its budget
-        (diagnose_trusting_peak_resnet101_896_*.json). Why was not found, and waiting only
-        where the pool moves did not cure it there (claims_6996e3e_paced_at_moves.json):
-        waiting before every layer did. That idles the device while the host prepares each
-        layer: ResNet-50 in bf16 at half of plain's peak, which moves data after few layers,
-        ran at 0.55 of plain's speed waiting before each, 0.65 only where the pool moves
-        (ratio_*_pace_at_*.json).
+        stream before each layer, and where the pool may move data after a layer (it holds
+        more than its room, or Rule 8's copies must start) the host waits until the stream has
+        run what was queued before the layer PACE_LEAD layers back; before every layer in the
+        first such forward, and after one that raised or in which the pool did so after many
+        of its layers. The pool decides from the copies it finds finished (Rules 6 and 8): with
+        the host layers ahead of the device, it decided on a device that was not there yet, and
+        the steps that trusted their calibration peaked above those that calibrated: ResNet-101
+        at batch 896 by 855 MiB, past its budget (diagnose_trusting_peak_resnet101_896_*.json).
+        Why was not found, and waiting only where the pool moves did not cure it there
+        (claims_6996e3e_paced_at_moves.json): waiting before every layer did. That idles the
+        device while the host prepares each layer: ResNet-50 in bf16 at half of plain's peak,
+        which moves data after few layers, ran at 0.55 of plain's speed waiting before each,
+        0.65 only where the pool moves (ratio_*_pace_at_*.json).
 """
 
 import collections
@@ -104,34 +104,41 @@ log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4
 # prepared the next layer and held ResNet-101's budget at batch 896, where a lead of many short
 # layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
 PACE_LEAD = 2
-# Rule 10: a forward whose last one moved data after more than this share of its layers waits
-# before every layer. ResNet-101 at batch 896 moved data after 84% of its forward layers: waiting
-# only there, it passed its budget; waiting before every layer, it held it. The rows of
-# ratio_*_pace_at_*.json moved data after at most 5%: they peaked the same either way, and ran
-# up to 0.15 of plain's speed faster waiting only there. A quarter lies between, not tuned.
+# Rule 10: a forward whose last one held more than its room, or started copies early, after more
+# than this share of its layers waits before every layer. ResNet-101 at batch 896 did so after 84%
+# of its forward layers: waiting only there, it passed its budget; waiting before every layer, it
+# held it. The rows of ratio_*_pace_at_*.json did so after at most 5%: they peaked the same either
+# way, and ran up to 0.15 of plain's speed faster waiting only there. A quarter lies between.
 PACE_EVERY_LAYER_SHARE = 0.25
 
 
 class Pace:
     """Rule 10: the host marks the compute stream before each forward layer, and waits until the
-    stream has run all it queued before the layer PACE_LEAD positions back: before the pool
-    moves data after a layer, and before every layer in a forward that follows one which moved
-    data after many of its layers. The pool's copies on their own streams run on; elsewhere the
-    host runs ahead as PyTorch lets it."""
+    stream has run all it queued before the layer PACE_LEAD positions back: where the pool may
+    move data after a layer (it holds more than its room, or copies must start early), and
+    before every layer in a forward that follows one where the pool did so after many of its
+    layers, or none that ended (the first paced forward; one after a forward that raised). The
+    pool's copies on their own streams run on; elsewhere the host runs ahead as PyTorch lets
+    it."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.marks: collections.deque = collections.deque()    # (position, event)
-        self.everywhere = True           # before a forward has said where the pool moves
-        self.moves = None                # positions of this forward where the pool moved data
-        self.waits = 0                   # this forward's settles that waited
+        self.everywhere = True
+        self.moves: set = set()      # positions of this forward where the pool may move data
+        self.ended = None            # the moves of the last forward that ended
+        self.waits = 0               # this forward's settles that waited
 
     def begin_forward(self, num_layers: int) -> None:
         """Marks are positions of one forward: a forward that raised leaves its own behind."""
-        if self.moves is not None:
-            self.everywhere = len(self.moves) > PACE_EVERY_LAYER_SHARE * num_layers
+        self.everywhere = self.ended is None or \
+            len(self.ended) > PACE_EVERY_LAYER_SHARE * num_layers
+        self.ended = None
         self.marks.clear()
         self.moves, self.waits = set(), 0
+
+    def end_forward(self) -> None:
+        self.ended = self.moves
 
     def before_layer(self, position: int) -> None:
         self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
@@ -139,7 +146,7 @@ class Pace:
             self.settle(position)
 
     def before_move(self, position: int) -> None:
-        """The pool is about to move data after the layer at ``position``."""
+        """The pool may move data after the layer at ``position``."""
         self.moves.add(position)
         self.settle(position)
 
@@ -385,6 +392,8 @@ class Executor(RoomKeeping, SavedTensors):
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
         self.layer = self.segment = None
+        if self.paced:
+            self.pace.end_forward()
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
             self.tier.end_forward()

@@ -15,6 +15,7 @@ or written is measured around, never an error. Rates measured while other proces
 than a bare context's memory on the device are this process's alone: their kernels may have
 shared the device with the measurement (bf16 convolutions measured at 1.22e13 FLOP/s beside
 other training processes' first steps, 3.5e14 alone), and a later process would plan with them.
+The process that measured them still plans with them.
 """
 
 import json

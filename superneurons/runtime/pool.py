@@ -125,8 +125,8 @@ class TensorPool:
         self._drain(limit)
 
     def over(self, limit: int) -> bool:
-        """Whether make_room with this ``limit`` would move data: the pool holds more than it,
-        offloads already finished freed."""
+        """Whether make_room with this ``limit`` may move data: the pool holds more than it,
+        offloads already finished freed (copies in flight may cover the rest)."""
         self._drain(limit=None)
         return 0 < self.device_bytes and self.device_bytes > limit
 

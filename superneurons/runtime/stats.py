@@ -21,8 +21,7 @@ class StepStats:
     calibration_seconds: float = 0.0
     # with state on the host: bytes of parameters sent to the device and gradients sent back
     state_moved_bytes: int = 0
-    # forward layers after which the host waited for the compute stream before the pool moved
-    # data (executor Rule 10)
+    # forward layers at which the host waited for the compute stream (executor Rule 10)
     paced_layers: int = 0
     # host seconds of making the plan, on the first step that runs it (0 on later steps; a
     # plan made by plan_for() before any step is reported by the step that first runs it):
