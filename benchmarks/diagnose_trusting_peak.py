@@ -9,7 +9,7 @@ each step's allocated bytes can be read per boundary and the two steps compared 
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
         [--steps 3] [--sync forward|backward|both] [--no-record] [--pace device|compute-stream]
-        [--lead N] [--at moves|every]
+        [--lead N] [--at moves|every] [--bare]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
@@ -85,15 +85,17 @@ def curve(snapshot: dict, marks: Marks, start: int) -> dict:
             "events": len(events)}
 
 
-def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
+def step(wrapped, optimizer, x, y, marks: Marks | None, record: bool) -> dict:
+    """One step; ``marks`` None runs it bare, as claims.py does (marks slow the host)."""
     from superneurons.runtime import executor as executor_module
     run_layer = executor_module.Executor._run_layer
 
     def marked(self, layer, *args, **kwargs):
         marks(f"layer {layer.name}")
         return run_layer(self, layer, *args, **kwargs)
-    marks.names, marks.phase = [], "forward"
-    executor_module.Executor._run_layer = marked
+    if marks is not None:
+        marks.names, marks.phase = [], "forward"
+        executor_module.Executor._run_layer = marked
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     began, start = time.perf_counter(), torch.cuda.memory_allocated()
@@ -102,7 +104,8 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
     try:
         optimizer.zero_grad(set_to_none=True)
         loss = F.nll_loss(wrapped(x).float(), y)
-        marks.on_backward(loss.grad_fn)
+        if marks is not None:
+            marks.on_backward(loss.grad_fn)
         loss.backward()
         optimizer.step()
         torch.cuda.synchronize()
@@ -110,7 +113,7 @@ def step(wrapped, optimizer, x, y, marks: Marks, record: bool) -> dict:
                "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                "offloaded_bytes": wrapped.stats.offloaded_bytes,
                "paced_layers": wrapped.stats.paced_layers, **calibration_of(wrapped)}
-        if record:
+        if record and marks is not None:
             row.update(curve(torch.cuda.memory._snapshot(), marks, start))
             row["mark_names"] = list(marks.names)
     finally:
@@ -139,6 +142,10 @@ def main():
     parser.add_argument("--lead", type=int, default=None,
                         help="with --pace compute-stream: the forward layers the host may queue "
                              "ahead of the compute stream (executor.PACE_LEAD)")
+    parser.add_argument("--bare", action="store_true",
+                        help="no marks at layers and autograd nodes (they slow the host, and "
+                             "ResNet-101 held its budget with them where claims.py's steps "
+                             "did not); implies --no-record")
     parser.add_argument("--at", choices=("moves", "every"), default=None,
                         help="where the host waits: only where the pool is about to move data, "
                              "or before every forward layer (by default as the runtime chooses)")
@@ -161,8 +168,9 @@ def main():
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
-    optimizer, marks = sgd(model), Marks(sync=args.sync)
-    rows = [step(wrapped, optimizer, x, y, marks, record=index >= 1 and not args.no_record)
+    optimizer, marks = sgd(model), None if args.bare else Marks(sync=args.sync)
+    rows = [step(wrapped, optimizer, x, y, marks,
+                 record=index >= 1 and not (args.no_record or args.bare))
             for index in range(args.steps)]
     # where the last step parts from the calibrating step before it: the first mark at which
     # it holds more than that step did, by more than 64 MiB
@@ -178,7 +186,8 @@ def main():
     for row in rows[1:] if "mark_names" in trusting else ():   # long curves: every 8th
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
-    name = "diagnose_trusting_peak" + (f"_sync_{args.sync}" if args.sync else "") + \
+    name = "diagnose_trusting_peak" + ("_bare" if args.bare else "") + \
+        (f"_sync_{args.sync}" if args.sync else "") + \
         ("_pace_device" if args.pace == "device" else "") + \
         (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + \
         (f"_at_{args.at}" if args.at and args.pace != "device" else "") + ".json"
