@@ -1,7 +1,7 @@
 """Policies: which tensors stay, which go to host memory, which are recomputed.
 
-Rule 1: CONV and FC layers are checkpoints (expensive to compute); every other layer is cheap and,
-        under a recomputing policy, recomputable.
+Rule 1: CONV, FC and ATTN layers are checkpoints (expensive to compute); every other layer is
+        cheap and, under a recomputing policy, recomputable.
 Rule 2: a recomputation segment is a maximal run of consecutive recomputable layers in the route;
         it is replayed from its external inputs, which must therefore be kept (or offloaded).
 Rule 3: a value a segment hands to another segment makes its producer a checkpoint, so a
@@ -26,7 +26,7 @@ Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: t
         then the route's cuts, the layers after which a single storage is live (a ResNet block's
         output), the last of each run of consecutive cuts. On a GPU whose arithmetic outruns its
         host link many times over, replaying a block costs less than moving its tensors. A
-        segment that replays a CONV or FC is speed-centric under the cost-aware strategy (a
+        segment that replays a CONV, FC or ATTN is speed-centric under the cost-aware strategy (a
         memory-centric replay would run its convolutions once per backward layer).
 """
 
@@ -173,7 +173,7 @@ def _runs(order: list, recomputable: set) -> dict:
 def find_segments(graph: LayerGraph, order: list, strategy: Strategy, costs,
                   offloads: bool = False, keep: set | None = None) -> list:
     """Recomputation segments under Rules 1-5 and 7, each speed- or memory-centric. ``keep``:
-    the layers to checkpoint instead of Rule 1's CONV and FC (Rule 8)."""
+    the layers to checkpoint instead of Rule 1's CONV, FC and ATTN (Rule 8)."""
     recomputable = _recomputable(graph, order, keep)
     while True:
         segment_of = _runs(order, recomputable)
@@ -241,7 +241,7 @@ def _costly_replays(graph: LayerGraph, segment_of: dict, costs) -> set:
 
 def _choose(strategy: Strategy, graph: LayerGraph, layers: list, costs) -> Strategy:
     """Cost-aware: speed-centric when sum(l_f over the segment) + l_b(last) stays under l_peak,
-    or when the segment replays a CONV or FC (Rule 8)."""
+    or when the segment replays a CONV, FC or ATTN (Rule 8)."""
     if strategy is not Strategy.COST_AWARE:
         return strategy
     if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in layers):

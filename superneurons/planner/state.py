@@ -16,8 +16,8 @@ fetched once a step, in forward, and its copy serves every reader, replay and ba
 trained parameter's gradient still goes to the host. Frozen state moves every step too: a write
 to it that counts no version (an EMA teacher's `p.data.mul_(...)`) would go unseen by a copy
 kept across steps. State some layer writes in place (running statistics) is never resident:
-its copy goes back to the host after the writer (runtime Rule 4). choose_resident picks the
-set by fetches saved a step per byte held (the same for every byte of one tensor: a count),
+its copy goes back to the host after the writer (runtime state.py Rule 4). choose_resident picks
+the set by fetches saved a step per byte held (the same for every byte of one tensor: a count),
 ties by use order, while their bytes fit the room given.
 """
 
@@ -56,8 +56,8 @@ def _reads(graph: LayerGraph, layer, written: set):
         prefix = f"{layer.path}." if layer.path else ""
         for name, tensor in layer.module.named_parameters(remove_duplicate=False):
             yield prefix + name, tensor, False
-        # a leaf module's buffers all go back to the host after its forward (runtime Rule 4:
-        # native_batch_norm writes running statistics without counting a version)
+        # a leaf module's buffers all go back to the host after its forward (runtime state.py
+        # Rule 4: native_batch_norm writes running statistics without counting a version)
         for name, tensor in layer.module.named_buffers(remove_duplicate=False):
             yield prefix + name, tensor, True
     for node in layer.state_reads:

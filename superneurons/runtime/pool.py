@@ -11,7 +11,8 @@ Rule 1: a tensor leaves the device only when the budget needs the room (now, or 
 Rule 2: in backward, tensors come back ahead of need, in the order the route will read them, as
         far as the budget has room; a tensor needed now and not there is a cache miss.
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
-        that step needs; on CUDA, less what is really allocated outside the pool, if more. In
+        that step needs; on CUDA, plus the calibrated excess (executor Rule 4), and while
+        calibrating less what is really allocated outside the pool, if more. In
         forward the room is made after each layer for the next one, which allocates before the
         pool can act again, and leaves out the planned pool tensors no layer has saved yet
         (they become entries when one does: the executor counts them).
