@@ -77,8 +77,8 @@ def curve(snapshot: dict, marks: Marks, start: int) -> dict:
             since.append(size)
             if allocated > peak:
                 peak, peak_at, peak_since = allocated, mark_index, list(since)
-        elif action == "free_completed":
-            allocated -= live.pop(event["addr"], size)
+        elif action == "free_requested":      # where the allocator's allocated bytes drop,
+            allocated -= live.pop(event["addr"], size)      # its stream uses still pending
     return {"allocated_at_marks": at_marks, "peak_bytes": peak, "peak_after_mark": peak_at,
             "peak_after": marks.names[peak_at] if 0 <= peak_at < len(marks.names) else None,
             "allocated_since_that_mark": sorted(peak_since, reverse=True)[:12],
