@@ -108,3 +108,19 @@ def test_without_a_lock_file_nothing_waits(monkeypatch):
     lock.share()
     lock.own()
     assert lock.held is None
+
+
+def test_a_run_stops_when_the_device_rates_were_not_kept_alone(tmp_path, monkeypatch):
+    """Every worker would otherwise measure the rates beside the others' first steps."""
+    import common
+    monkeypatch.setenv("SUPERNEURONS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(common, "run_child", lambda command, timeout, cwd=None: {"ok": False})
+    with pytest.raises(SystemExit, match="not kept"):
+        ratio.rates_measured_alone()
+
+    def measured_alone(command, timeout, cwd=None):
+        (tmp_path / "machine_rates.json").write_text("{}")
+        return {"link_bytes_per_s": 5e10}
+    monkeypatch.setattr(common, "run_child", measured_alone)
+    assert ratio.rates_measured_alone() == {"link_bytes_per_s": 5e10}
+    assert os.environ["SUPERNEURONS_CACHE_DIR"] == str(tmp_path)
