@@ -435,6 +435,32 @@ def test_a_paced_forward_waits_where_the_pool_moves_data_or_before_every_layer(m
     assert stream.made == 3 * layers
 
 
+def test_a_forward_counts_the_moves_left_once_the_host_has_waited(monkeypatch):
+    """Executor Rule 10: where the copies the wait let finish make the room, the pool moves
+    nothing there, and the next forward is not told to wait before every layer for it."""
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    x = torch.randn(4, 64, 16, 16)
+    liveness = sn.plan(_net("cpu"), x, policy="liveness").peak_bytes
+    floor = sn.plan(_net("cpu"), x, policy="offload").peak_bytes
+    wrapped = sn.wrap(_net("cpu"), policy="offload", budget=(floor + liveness) // 2)
+    wrapped(x).sum().backward()
+    executor = wrapped._last[1]
+    executor.pace, executor.paced = executor_module.Pace(CUDA0), True
+    calls = []
+
+    def over_until_waited(limit):      # over before the wait, not after it
+        calls.append(limit)
+        return len(calls) % 2 == 1
+    monkeypatch.setattr(executor.pool, "over", over_until_waited)
+    monkeypatch.setattr(executor, "_offload_ahead", lambda position, awaiting: None)
+    wrapped(x).sum().backward()
+    assert len(calls) == 2 * executor.num_layers
+    assert executor.pace.ended == set()
+    wrapped(x).sum().backward()
+    assert not executor.pace.everywhere
+
+
 @needs_cuda
 def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_stream(
         monkeypatch):

@@ -104,11 +104,12 @@ log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4
 # prepared the next layer and held ResNet-101's budget at batch 896, where a lead of many short
 # layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
 PACE_LEAD = 2
-# Rule 10: a forward whose last one held more than its room, or started copies early, after more
-# than this share of its layers waits before every layer. ResNet-101 at batch 896 did so after 84%
-# of its forward layers: waiting only there, it passed its budget; waiting before every layer, it
-# held it. The rows of ratio_*_pace_at_*.json did so after at most 5%: they peaked the same either
-# way, and ran up to 0.15 of plain's speed faster waiting only there. A quarter lies between.
+# Rule 10: a forward whose last one still had data to move after waiting, after more than this
+# share of its layers, waits before every layer. Waiting only where the pool might move data,
+# ResNet-101 at batch 896 waited at 84% of its forward layers and passed its budget; waiting
+# before every layer, it held it. The rows of ratio_*_pace_at_*.json waited at 5% of theirs at
+# most: they peaked the same either way, and ran up to 0.15 of plain's speed faster waiting only
+# there. A quarter lies between.
 PACE_EVERY_LAYER_SHARE = 0.25
 
 
@@ -125,7 +126,7 @@ class Pace:
         self.device = device
         self.marks: collections.deque = collections.deque()    # (position, event)
         self.everywhere = True
-        self.moves: set = set()      # positions of this forward where the pool may move data
+        self.moves: set = set()      # positions of this forward where the pool moves data
         self.ended = None            # the moves of the last forward that ended
         self.waits = 0               # this forward's settles that waited
 
@@ -145,10 +146,10 @@ class Pace:
         if self.everywhere:
             self.settle(position)
 
-    def before_move(self, position: int) -> None:
-        """The pool may move data after the layer at ``position``."""
+    def moving(self, position: int) -> None:
+        """After the layer at ``position``, settled, the pool still has data to move: counted
+        on the device as it is, whether this forward waited before every layer or not."""
         self.moves.add(position)
-        self.settle(position)
 
     def settle(self, position: int) -> None:
         last = None
@@ -386,8 +387,10 @@ class Executor(RoomKeeping, SavedTensors):
                 # room for the next layer: what only this layer read may leave now
                 awaiting = self._awaiting_bytes()    # making room adds no entries: once
                 limit = self._room_for_next(position, awaiting)
-                if self.paced and self.pool.over(limit):
-                    self.pace.before_move(position)                          # Rule 10
+                if self.paced and self.pool.over(limit):                   # Rule 10
+                    self.pace.settle(position)
+                    if self.pool.over(limit):
+                        self.pace.moving(position)
                 self.pool.make_room(position + 1, forward=True, limit=limit)
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
