@@ -15,6 +15,7 @@ each step's allocated bytes can be read per boundary and the two steps compared 
 
 import argparse
 import os
+import runpy
 import sys
 import time
 
@@ -150,20 +151,18 @@ def main():
                         help="where the host waits: only where the pool is about to move data, "
                              "or before every forward layer (by default as the runtime chooses)")
     args = parser.parse_args()
+    if args.pace == "device":                 # the whole device, before every forward layer
+        args.at = "every"
+    # the lead and where the host waits, as benchmarks/pace_lead sets them for other scripts
+    os.environ["SN_PACE_LEAD"] = "" if args.lead is None or args.pace == "device" else \
+        str(args.lead)
+    os.environ["SN_PACE_AT"] = args.at or ""
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pace_lead",
+                                "sitecustomize.py"))
     import superneurons as sn
     from superneurons.runtime import executor as executor_module
-    if args.pace == "device":                 # the whole device, before every forward layer
+    if args.pace == "device":
         executor_module.Pace.settle = lambda pace, position: torch.cuda.synchronize()
-        args.at = "every"
-    elif args.lead is not None:
-        executor_module.PACE_LEAD = args.lead
-    if args.at is not None:
-        begin = executor_module.Pace.begin_forward
-
-        def begin_forward_pacing_as_said(pace, num_layers):
-            begin(pace, num_layers)
-            pace.everywhere = args.at == "every"
-        executor_module.Pace.begin_forward = begin_forward_pacing_as_said
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")

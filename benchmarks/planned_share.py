@@ -39,13 +39,14 @@ def planned(record: dict, row: dict, share: float) -> dict:
     model = torchvision.models.get_model(record["model"], weights=None)
     budget = row["first_step"]["budget_bytes"] - 2 * sum(
         p.numel() * p.element_size() for p in model.parameters())       # AdamW's two moments
-    trim.PLANNED_SHARE = plan_module.PLANNED_SHARE = share
+    before, trim.PLANNED_SHARE = trim.PLANNED_SHARE, share
+    plan_module.PLANNED_SHARE = share
     try:
         made = plan(model, torch.empty(record["batch"], 3, 224, 224, device="meta"),
                     "superneurons", budget, machine=machine,
                     autocast=torch.bfloat16 if record["dtype"] == "bf16" else None)
     finally:
-        trim.PLANNED_SHARE = plan_module.PLANNED_SHARE = SHARES[0]
+        trim.PLANNED_SHARE = plan_module.PLANNED_SHARE = before
     return {"share": share, "replayed_layers": made.num_extra_computations,
             "replay_s": trim.replay_work(made), "bytes_to_move": made.bytes_to_move()}
 
