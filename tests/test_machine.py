@@ -115,6 +115,9 @@ def test_a_new_process_reads_the_rates_instead_of_measuring(tmp_path, monkeypatc
     from superneurons.runtime import machine
     monkeypatch.setenv(machine.CACHE_DIR, str(tmp_path))
     machine._MEASURED.clear()
+    # the suite's other workers share the GPU, and rates measured beside them are not kept
+    # (the test above): here the device is taken to be this process's alone
+    monkeypatch.setattr(machine, "_alone", lambda index: True)
     device = torch.device("cuda", 0)
     first = machine_of(device)
     machine._MEASURED.clear()                                # as a new process starts

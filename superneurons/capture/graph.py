@@ -86,6 +86,9 @@ class LayerGraph:
     input_nodes: tuple = ()   # the placeholder behind each input value
     out_spec: object = None   # pytree spec rebuilding the model's output (exported graphs)
     in_spec: object = None    # pytree spec the model's (args, kwargs) flatten by
+    # whether outputs the model's loss is computed from get gradients from outside it too:
+    # seen at run time (planner/gradients.py Rule 5)
+    outside_gradients: bool = False
 
     @property
     def resident_bytes(self) -> int:

@@ -11,7 +11,9 @@ Rule 1: a layer's backward makes a fresh buffer for each input it sends a gradie
         - a concatenation (CONCAT) hands a slice of it to each input;
         - a view whose backward is a view (VIEWS) hands it on reshaped. Other views allocate:
           a slice's or a select's backward makes a zero buffer of its input's size, a split's
-          concatenates its pieces into one.
+          concatenates its pieces into one;
+        - a cast to the dtype its input has already (HF's logits.float() in fp32) hands it on:
+          the cast's backward casts the gradient to that dtype, which returns it unchanged.
 Rule 2: a second gradient reaching a slot is added in place where the slot holds a whole buffer
         no other slot refers to and the incoming one is another; otherwise the sum is a fresh
         buffer and the slot lets go of the old (the same tensor twice, as in h + h, is summed
@@ -21,6 +23,14 @@ Rule 4: a layer that computes in a narrower dtype than an input (autocast's bflo
         of a float32 activation) makes that input's gradient in its own dtype first, then the
         cast: both live through its step. (Its parameters' gradients take the same detour;
         they are not counted here, as parameter gradients are resident: scratch.py Rule 3.)
+Rule 5: backward starts from the model's outputs, each with a gradient from outside, except an
+        output the model's own loss is computed from (a language model's logits beside its
+        loss, given labels): the caller's backward is taken to start from the loss alone, and
+        that output's gradient to come from the loss inside. Counting both held a second
+        logits-sized buffer that plain PyTorch never makes (GPT-2 small's floor read 3.07 GiB
+        high). Where a gradient does reach such an output from outside (a distillation loss on
+        the logits beside the model's), the executor sees it and the wrapper plans again with
+        it (LayerGraph.outside_gradients; runtime/outside.py).
 """
 
 from ..capture import Kind, LayerGraph
@@ -38,6 +48,27 @@ def gradient_buffers(graph: LayerGraph, timeline) -> list:
     """(value, first step, last step, bytes or None for the value's own) of every gradient
     buffer the step's backward makes."""
     return _GradientFlow(graph, timeline).run()
+
+
+def outputs_behind_a_loss(graph: LayerGraph) -> frozenset:
+    """The outputs, other than the losses, that a loss among the outputs (a floating scalar
+    needing a gradient) is computed from: their gradient is taken to come from inside (Rule 5).
+    Only outputs their layer makes alone: the executor returns those through a view it watches
+    (runtime/outside.py Rule 1)."""
+    values, layers = graph.values, graph.layers
+    losses = [v for v in graph.output_values if values[v].requires_grad and
+              values[v].shape == () and values[v].dtype.is_floating_point]
+    reached, frontier = set(), list(losses)
+    while frontier:
+        value = frontier.pop()
+        if value in reached:
+            continue
+        reached.add(value)
+        if values[value].producer is not None:
+            frontier.extend(layers[values[value].producer].inputs)
+    return frozenset(v for v in graph.output_values
+                     if v in reached and v not in losses and values[v].producer is not None
+                     and len(layers[values[v].producer].outputs) == 1)
 
 
 def _op_name(layer) -> str:
@@ -59,8 +90,10 @@ class _GradientFlow:
 
     def run(self) -> list:
         graph, n = self.graph, self.timeline.num_layers
-        for value in dict.fromkeys(graph.output_values):
-            if graph.values[value].requires_grad and graph.values[value].producer is not None:
+        inside = frozenset() if graph.outside_gradients else outputs_behind_a_loss(graph)
+        for value in dict.fromkeys(graph.output_values):                        # Rule 5
+            if graph.values[value].requires_grad and graph.values[value].producer is not None \
+                    and value not in inside:
                 self._receive(value, self._new(value, n), False, n)
         by_position = sorted(self.timeline.position, key=self.timeline.position.get)
         for layer_index in reversed(by_position):
@@ -94,6 +127,8 @@ class _GradientFlow:
         if layer.kind is Kind.CONCAT or _op_name(layer) in VIEWS:
             return True
         out, given = self.graph.values[layer.outputs[0]], self.graph.values[value]
+        if _op_name(layer) in CASTS:         # a cast to its input's own dtype hands it back
+            return given.dtype == out.dtype and given.shape == out.shape
         return layer.kind is Kind.JOIN and layer.node.kwargs.get("alpha", 1) == 1 and \
             given.shape == out.shape and given.dtype == out.dtype
 

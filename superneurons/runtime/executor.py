@@ -87,6 +87,7 @@ from ..capture.kinds import Kind
 from ..planner import Action
 from .handles import PoolRef
 from .calibration import Calibration
+from .outside import OutsideGradients
 from .pool import TensorPool
 from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .saved import SavedTensors
@@ -290,6 +291,7 @@ class Executor(RoomKeeping, SavedTensors):
                           node.target)
             for node in self.attrs}
         self.output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self.outside = OutsideGradients(graph)
 
     def _replay_liveness(self, graph) -> None:
         """What each segment's replays read, and after which position a replay may drop a value."""
@@ -404,7 +406,8 @@ class Executor(RoomKeeping, SavedTensors):
             record.sealed = True
             if not record.alive:
                 record.inputs = None
-        out = fx.node.map_arg(self.output.args[0], env.__getitem__)
+        out = fx.node.map_arg(self.output.args[0],
+                              lambda node: self.outside.returned(node, env[node]))
         if self.graph.out_spec is not None:                 # an exported graph's flat outputs
             return pytree.tree_unflatten(list(out), self.graph.out_spec)
         return out

@@ -47,6 +47,10 @@ Rule 8: with strict_budget on CUDA, a step's forward and backward run with the c
         optimizer's step. Off by default: plans are exact at layer boundaries, and between
         them real use can pass the plan (a loss's temporaries, allocator fragmentation); with
         the limit such a step runs out of memory, without it it passes the budget.
+Rule 9: a plan counts the caller's backward as starting from the model's loss where one is
+        among the outputs (planner/gradients.py Rule 5). Once a step saw a gradient reach an
+        output from outside beside it (outside.py), every plan is made again, counting
+        outside gradients for every output from then on.
 """
 
 import itertools
@@ -145,6 +149,7 @@ class SuperNeuronsModule(nn.Module):
                                  "device, wrap the wrapped model in DistributedDataParallel")
             self._data_parallel = DataParallel(model, process_group, self.compute_device)
         self.max_plans = MAX_PLANS
+        self.outside_gradients = False                                  # Rule 9
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
         self.register_state_dict_post_hook(own_keys)
@@ -239,6 +244,12 @@ class SuperNeuronsModule(nn.Module):
             plans[key] = replanned
         return key, plans[key], foreign
 
+    def _saw_outside_gradients(self) -> bool:
+        """Whether a step saw a gradient reach an output from outside beside the loss."""
+        return any(executor is not None and executor.outside.seen_bytes
+                   for _, executor in (*self._executors.values(), *self._fallbacks.values()))\
+            or any(executor.outside.seen_bytes for executor in self._retiring)
+
     def _in_flight(self) -> bool:
         """Whether any step of this wrapper has handles alive (module Rule 5)."""
         return bool(self._retiring) or any(
@@ -324,6 +335,7 @@ class SuperNeuronsModule(nn.Module):
         graph = capture(self.model, Arguments(args), autocast, kwargs,
                         device=device if self.state == "host" else None, packed_positions=packed,
                         slice_loss=self.slice_loss)
+        graph.outside_gradients = self.outside_gradients                # Rule 9
         self._made(key, capture_seconds=time.perf_counter() - began)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
@@ -405,6 +417,9 @@ class SuperNeuronsModule(nn.Module):
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
+        if not self.outside_gradients and self._saw_outside_gradients():  # Rule 9
+            self.outside_gradients = True
+            self.replan()
         key, (plan, executor), foreign = self._planned(args, kwargs)
         made = self._unreported.pop(key, {})          # the plan's making, on its first step
         device = executor.device if executor is not None else \

@@ -1,0 +1,138 @@
+"""planner/gradients.py Rule 5 and runtime/outside.py: where the model's loss is among its
+outputs, the plan counts backward from the loss alone (no second logits-sized gradient), and a
+gradient that does reach such an output from outside is seen, warned about and planned for."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import superneurons as sn
+from superneurons.planner.gradients import gradient_buffers, outputs_behind_a_loss
+
+VOCAB, WIDTH, BATCH, TOKENS = 512, 16, 2, 64
+
+
+class TinyLM(nn.Module):
+    """A language model's shape: logits far larger than anything else, the loss inside when
+    labels are given, both returned (as HF's causal LMs and nanoGPT return them)."""
+
+    def __init__(self, upcast: bool = False):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.upcast = upcast
+
+    def forward(self, ids, labels=None):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        if labels is None:
+            return logits
+        scored = logits.float() if self.upcast else logits    # HF's loss upcasts, fp32 or not
+        loss = F.cross_entropy(scored.view(-1, VOCAB), labels.view(-1))
+        return logits, loss
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator)
+    return ids, torch.roll(ids, -1, 1)
+
+
+def _plan(model, outside: bool = False, **call):
+    ids, labels = _batch()
+    plan = sn.plan(model, (ids,), "liveness", kwargs=dict(labels=labels, **call),
+                   device_type="cpu", slice_loss=False)
+    if outside:
+        plan.graph.outside_gradients = True
+    return plan
+
+
+def _logits_gradients_at_backward_start(plan) -> list:
+    graph, timeline = plan.graph, plan.timeline
+    logits = {v for v in graph.output_values if graph.values[v].shape == (BATCH, TOKENS, VOCAB)}
+    return [b for b in gradient_buffers(graph, timeline)
+            if b[0] in logits and b[1] == timeline.num_layers]
+
+
+def test_the_logits_beside_a_loss_get_no_outside_gradient_unless_one_was_seen():
+    plan = _plan(TinyLM())
+    (logits,) = outputs_behind_a_loss(plan.graph)
+    assert plan.graph.values[logits].shape == (BATCH, TOKENS, VOCAB)
+    assert _logits_gradients_at_backward_start(plan) == []
+    assert len(_logits_gradients_at_backward_start(_plan(TinyLM(), outside=True))) == 1
+    # without labels the logits are the only output: the caller's loss sends their gradient
+    ids, _ = _batch()
+    alone = sn.plan(TinyLM(), (ids,), "liveness", device_type="cpu")
+    assert outputs_behind_a_loss(alone.graph) == frozenset()
+
+
+def test_the_plan_of_a_loss_and_its_logits_holds_one_logits_gradient_not_two():
+    logits_bytes = BATCH * TOKENS * VOCAB * 4
+    loss_only, outside = _plan(TinyLM()), _plan(TinyLM())
+    outside.graph.outside_gradients = True
+    from superneurons.planner.plan import plan_graph
+    assert plan_graph(outside.graph, "liveness").peak_bytes - loss_only.peak_bytes == \
+        logits_bytes
+
+
+def test_a_cast_to_its_own_dtype_hands_the_gradient_on():
+    """HF's loss calls logits.float() on float32 logits: its backward returns the gradient
+    itself, so the plan makes the gradient buffers it makes without the cast."""
+    def logits_sized(plan):
+        graph = plan.graph
+        return sorted((first, last) for value, first, last, nbytes in
+                      gradient_buffers(graph, plan.timeline)
+                      if (nbytes or graph.values[value].nbytes) == BATCH * TOKENS * VOCAB * 4)
+    upcast, plain = logits_sized(_plan(TinyLM(upcast=True))), logits_sized(_plan(TinyLM()))
+    assert len(upcast) == len(plain) == 1
+    # one layer more in the route: the cast's, through which the one buffer lives on
+    assert upcast[0][1] - upcast[0][0] == plain[0][1] - plain[0][0] + 1
+
+
+def _train(model, steps: int, outside_loss: bool):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids, labels = _batch()
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        logits, loss = model(ids, labels=labels)
+        if outside_loss:                 # a distillation term on the logits beside the loss
+            loss = loss + 0.1 * logits.float().square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
+def test_a_loss_alone_trains_exactly_and_says_nothing(policy):
+    torch.manual_seed(0)
+    model = TinyLM()
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _train(wrapped, 3, outside_loss=False)
+    assert torch.equal(_train(plain, 3, outside_loss=False), got)
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a, b)
+    assert not wrapped.outside_gradients
+
+
+@pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
+def test_an_outside_gradient_is_exact_warned_once_and_planned_for(policy):
+    torch.manual_seed(0)
+    model = TinyLM()
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy=policy)
+    with pytest.warns(UserWarning, match="from outside the model") as said:
+        got = _train(wrapped, 3, outside_loss=True)
+    assert sum("from outside the model" in str(w.message) for w in said) == 1
+    assert torch.equal(_train(plain, 3, outside_loss=True), got)
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+    assert wrapped.outside_gradients
+    ids, labels = _batch()
+    assert wrapped.plan_for(ids, labels=labels)[0].graph.outside_gradients
