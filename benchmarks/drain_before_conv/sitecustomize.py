@@ -10,14 +10,18 @@ within its room, and the kept engine's workspace takes the same room again. If s
 batch 896 holds its calibrating steps' peak unpaced with this switch, and passes its budget
 without it:
 
-    PYTHONPATH=$PWD/benchmarks/drain_before_conv:$PWD/benchmarks/pace_lead:$PWD SN_PACE_LEAD=unpaced \
+    PYTHONPATH=$PWD/benchmarks/drain_before_conv:$PWD SN_PACE_LEAD=unpaced \
         python benchmarks/diagnose_trusting_peak.py OUT --bare --steps 4
 
-At exit it prints, per process, the bytes so freed early and before how many convolutions.
+A process imports the first sitecustomize on its path alone, so this one runs benchmarks/
+pace_lead's where SN_PACE_LEAD is set: with both folders on the path, pace_lead's was never
+run, and the steps waited before every layer. At exit it prints, per process, the bytes so freed early and before how many convolutions.
 """
 
 import atexit
 import json
+import os
+import runpy
 
 from superneurons.capture.kinds import Kind
 from superneurons.runtime import executor as _executor
@@ -36,4 +40,7 @@ def _call_after_freeing_copies_in_flight(self, layer, args, kwargs, trains=False
 
 
 _executor.Executor._call = _call_after_freeing_copies_in_flight
+if os.environ.get("SN_PACE_LEAD"):
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                "pace_lead", "sitecustomize.py"))
 atexit.register(lambda: print(json.dumps({"freed_before_convolutions": _freed}), flush=True))
