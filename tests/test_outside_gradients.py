@@ -91,13 +91,15 @@ def test_a_cast_to_its_own_dtype_hands_the_gradient_on():
     assert upcast[0][1] - upcast[0][0] == plain[0][1] - plain[0][0] + 1
 
 
-def _train(model, steps: int, outside_loss: bool):
+def _train(model, steps: int, outside_loss: bool, in_place: bool = False):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ids, labels = _batch()
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
         logits, loss = model(ids, labels=labels)
+        if in_place:
+            logits /= 2.0                # a temperature, in place on the returned logits
         if outside_loss:                 # a distillation term on the logits beside the loss
             loss = loss + 0.1 * logits.float().square().mean()
         loss.backward()
@@ -106,33 +108,117 @@ def _train(model, steps: int, outside_loss: bool):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
-def test_a_loss_alone_trains_exactly_and_says_nothing(policy):
+def _pair(policy, **options):
     torch.manual_seed(0)
     model = TinyLM()
     plain, managed = copy.deepcopy(model), copy.deepcopy(model)
-    wrapped = sn.wrap(managed, policy=policy)
+    return plain, managed, sn.wrap(managed, policy=policy, **options)
+
+
+def _assert_same(plain, managed):
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
+def test_a_loss_alone_trains_exactly_and_says_nothing(policy):
+    plain, managed, wrapped = _pair(policy)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = _train(wrapped, 3, outside_loss=False)
     assert torch.equal(_train(plain, 3, outside_loss=False), got)
-    for a, b in zip(plain.parameters(), managed.parameters()):
-        assert torch.equal(a, b)
+    _assert_same(plain, managed)
     assert not wrapped.outside_gradients
 
 
 @pytest.mark.parametrize("policy", ["superneurons", "recompute", "offload"])
-def test_an_outside_gradient_is_exact_warned_once_and_planned_for(policy):
-    torch.manual_seed(0)
-    model = TinyLM()
-    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
-    wrapped = sn.wrap(managed, policy=policy)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_outside_gradient_is_exact_said_once_and_planned_for(policy, in_place):
+    """Seen in the first step's backward, said at the second step's forward (at the caller's
+    line), and planned for from there; a temperature applied in place to the returned logits
+    (autograd then routes the outside gradient through its copy) is seen too."""
+    plain, managed, wrapped = _pair(policy, slice_loss=not in_place)
     with pytest.warns(UserWarning, match="from outside the model") as said:
-        got = _train(wrapped, 3, outside_loss=True)
-    assert sum("from outside the model" in str(w.message) for w in said) == 1
-    assert torch.equal(_train(plain, 3, outside_loss=True), got)
-    for a, b in zip(plain.parameters(), managed.parameters()):
-        assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
+        got = _train(wrapped, 3, outside_loss=True, in_place=in_place)
+    ours = [w for w in said if "from outside the model" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__
+    assert torch.equal(_train(plain, 3, outside_loss=True, in_place=in_place), got)
+    _assert_same(plain, managed)
     assert wrapped.outside_gradients
     ids, labels = _batch()
     assert wrapped.plan_for(ids, labels=labels)[0].graph.outside_gradients
+
+
+def test_the_returned_logits_are_plain_pytorchs():
+    """The caller gets the output itself: its gradient can be asked for, retained and hooked,
+    as in plain PyTorch."""
+    seen = []
+    plain, _, wrapped = _pair("superneurons")
+    for model in (plain, wrapped):
+        ids, labels = _batch()
+        logits, loss = model(ids, labels=labels)
+        logits.retain_grad()
+        hooked = []
+        logits.register_hook(hooked.append)
+        (asked,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        loss.backward()
+        seen.append((asked, logits.grad, len(hooked)))
+    (asked, kept, hooks), (our_asked, our_kept, our_hooks) = seen
+    assert torch.equal(asked, our_asked) and torch.equal(kept, our_kept)
+    assert hooks == our_hooks == 2
+
+
+def test_warnings_raised_as_errors_still_plan_for_it():
+    plain, managed, wrapped = _pair("superneurons")
+    ids, labels = _batch()
+    logits, loss = wrapped(ids, labels=labels)
+    (loss + logits.square().mean()).backward()          # hooks record, never raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="from outside the model"):
+            wrapped(ids, labels=labels)
+    assert wrapped.outside_gradients
+    wrapped(ids, labels=labels)                          # planned for: said once
+
+
+def test_plan_for_sees_it_and_a_dropped_plan_keeps_it():
+    plain, managed, wrapped = _pair("superneurons")
+    ids, labels = _batch()
+    logits, loss = wrapped(ids, labels=labels)
+    (loss + logits.square().mean()).backward()
+    wrapped.replan()                                     # the plan that saw it is dropped
+    with pytest.warns(UserWarning, match="from outside the model"):
+        assert wrapped.plan_for(ids, labels=labels)[0].graph.outside_gradients
+
+
+class ZLoss(TinyLM):
+    """A z-loss of the logits among the outputs; the caller adds a cross-entropy of its own."""
+
+    def forward(self, ids):
+        logits = super().forward(ids)
+        return logits, 1e-4 * torch.logsumexp(logits, -1).square().mean()
+
+
+def test_a_scalar_made_without_a_loss_function_marks_nothing():
+    ids, _ = _batch()
+    plan = sn.plan(ZLoss(), (ids,), "liveness", device_type="cpu")
+    assert outputs_behind_a_loss(plan.graph) == frozenset()
+
+
+def test_under_ddp_finding_unused_parameters_the_loss_alone_trains(tmp_path):
+    """DDP's find_unused_parameters hands None gradients to the outputs a loss did not use."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        plain, managed, wrapped = _pair("superneurons")
+        ddp = DistributedDataParallel(wrapped, find_unused_parameters=True)
+        expected = DistributedDataParallel(plain, find_unused_parameters=True)
+        ids, labels = _batch()
+        for model in (expected, ddp):
+            model(ids, labels=labels)[1].backward()
+        _assert_same(plain, managed)
+        assert not wrapped.outside_gradients
+    finally:
+        dist.destroy_process_group()

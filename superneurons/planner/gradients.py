@@ -24,9 +24,10 @@ Rule 4: a layer that computes in a narrower dtype than an input (autocast's bflo
         cast: both live through its step. (Its parameters' gradients take the same detour;
         they are not counted here, as parameter gradients are resident: scratch.py Rule 3.)
 Rule 5: backward starts from the model's outputs, each with a gradient from outside, except an
-        output the model's own loss is computed from (a language model's logits beside its
-        loss, given labels): the caller's backward is taken to start from the loss alone, and
-        that output's gradient to come from the loss inside. Counting both held a second
+        output that a loss function's inputs are computed from, where that loss flows into a
+        loss among the outputs (a language model's logits beside its loss, given labels): the
+        caller's backward is taken to start from the loss alone, and that output's gradient
+        to come from the loss inside. Counting both held a second
         logits-sized buffer that plain PyTorch never makes (GPT-2 small's floor read 3.07 GiB
         high). Where a gradient does reach such an output from outside (a distillation loss on
         the logits beside the model's), the executor sees it and the wrapper plans again with
@@ -51,24 +52,40 @@ def gradient_buffers(graph: LayerGraph, timeline) -> list:
 
 
 def outputs_behind_a_loss(graph: LayerGraph) -> frozenset:
-    """The outputs, other than the losses, that a loss among the outputs (a floating scalar
-    needing a gradient) is computed from: their gradient is taken to come from inside (Rule 5).
-    Only outputs their layer makes alone: the executor returns those through a view it watches
-    (runtime/outside.py Rule 1)."""
+    """The outputs a loss function's inputs are computed from, where that loss flows into a
+    loss among the outputs (a floating scalar needing a gradient): their gradient is taken to
+    come from inside (Rule 5). A scalar made without a loss function (a z-loss of the logits,
+    which a caller adds to a cross-entropy of its own) marks nothing. Only outputs their layer
+    makes alone: the executor watches those (runtime/outside.py)."""
     values, layers = graph.values, graph.layers
     losses = [v for v in graph.output_values if values[v].requires_grad and
               values[v].shape == () and values[v].dtype.is_floating_point]
-    reached, frontier = set(), list(losses)
-    while frontier:
-        value = frontier.pop()
-        if value in reached:
-            continue
-        reached.add(value)
-        if values[value].producer is not None:
-            frontier.extend(layers[values[value].producer].inputs)
+    loss_layers = [layers[i] for i in _producers_behind(graph, losses)
+                   if _is_loss_function(layers[i])]
+    behind = _producers_behind(graph, [v for layer in loss_layers for v in layer.inputs])
     return frozenset(v for v in graph.output_values
-                     if v in reached and v not in losses and values[v].producer is not None
+                     if values[v].producer in behind and v not in losses
                      and len(layers[values[v].producer].outputs) == 1)
+
+
+def _producers_behind(graph: LayerGraph, values: list) -> set:
+    """The layers that ``values`` are computed from, their producers included."""
+    reached, frontier = set(), [graph.values[v].producer for v in values]
+    while frontier:
+        index = frontier.pop()
+        if index is None or index in reached:
+            continue
+        reached.add(index)
+        frontier.extend(graph.values[v].producer for v in graph.layers[index].inputs)
+    return reached
+
+
+def _is_loss_function(layer) -> bool:
+    """ATen's and torch.nn.functional's losses by name (cross_entropy_loss, nll_loss_forward,
+    mse_loss, capture's sliced cross-entropy, ...), and the three without "loss" in it."""
+    name = _op_name(layer)
+    return "loss" in name or name in ("kl_div", "binary_cross_entropy",
+                                      "binary_cross_entropy_with_logits")
 
 
 def _op_name(layer) -> str:
@@ -107,8 +124,9 @@ class _GradientFlow:
         held = [self.slot[v] for v in layer.outputs if v in self.slot]
         if held:                      # Rule 1; a layer no gradient reached does not run
             for value in layer.inputs:        # a model input's lives on as its .grad
-                if not values[value].requires_grad:
-                    continue
+                if not values[value].requires_grad or \
+                        (_op_name(layer) in CASTS and value != layer.inputs[0]):
+                    continue                  # type_as(other), to(other): other gets none
                 if self._handed_on(layer, value):
                     buffer, sliced = held[0]
                     self._receive(value, buffer, sliced or layer.kind is Kind.CONCAT, step)

@@ -374,7 +374,7 @@ class Executor(RoomKeeping, SavedTensors):
                         out = self._call(layer, call_args, kwargs, trains=True)
                     finally:
                         self.unfitted = False
-                env[layer.node] = out
+                env[layer.node] = self.outside.inside(layer.node, out)
                 self._env_holds(layer.node)
                 if self.tier is not None:
                     self.tier.end_layer(layer.node, out)
@@ -408,6 +408,7 @@ class Executor(RoomKeeping, SavedTensors):
                 record.inputs = None
         out = fx.node.map_arg(self.output.args[0],
                               lambda node: self.outside.returned(node, env[node]))
+        self.outside.watches.clear()       # a node the output does not name (Rule 1)
         if self.graph.out_spec is not None:                 # an exported graph's flat outputs
             return pytree.tree_unflatten(list(out), self.graph.out_spec)
         return out

@@ -48,9 +48,9 @@ Rule 8: with strict_budget on CUDA, a step's forward and backward run with the c
         them real use can pass the plan (a loss's temporaries, allocator fragmentation); with
         the limit such a step runs out of memory, without it it passes the budget.
 Rule 9: a plan counts the caller's backward as starting from the model's loss where one is
-        among the outputs (planner/gradients.py Rule 5). Once a step saw a gradient reach an
-        output from outside beside it (outside.py), every plan is made again, counting
-        outside gradients for every output from then on.
+        among the outputs (planner/gradients.py Rule 5). Once a step saw a gradient reach such
+        an output from outside as well (outside.py), the next forward or plan_for warns and
+        makes every plan again, counting outside gradients for every output from then on.
 """
 
 import itertools
@@ -150,6 +150,7 @@ class SuperNeuronsModule(nn.Module):
             self._data_parallel = DataParallel(model, process_group, self.compute_device)
         self.max_plans = MAX_PLANS
         self.outside_gradients = False                                  # Rule 9
+        self._outside_seen_bytes = 0       # seen by a step of a plan dropped since
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
         self.register_state_dict_post_hook(own_keys)
@@ -173,6 +174,7 @@ class SuperNeuronsModule(nn.Module):
     def plan_for(self, *args, **kwargs):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
         where the model runs untouched)."""
+        self._count_outside_gradients(stacklevel=3)                      # Rule 9
         return self._planned(args, without_full_mask(self.model, kwargs))[1]  # as forward calls
 
     def _planned(self, args, kwargs):
@@ -244,11 +246,26 @@ class SuperNeuronsModule(nn.Module):
             plans[key] = replanned
         return key, plans[key], foreign
 
-    def _saw_outside_gradients(self) -> bool:
-        """Whether a step saw a gradient reach an output from outside beside the loss."""
-        return any(executor is not None and executor.outside.seen_bytes
-                   for _, executor in (*self._executors.values(), *self._fallbacks.values()))\
-            or any(executor.outside.seen_bytes for executor in self._retiring)
+    def _count_outside_gradients(self, stacklevel: int) -> None:
+        """Rule 9: once a step saw a gradient from outside reach an output the model's loss is
+        computed from, every plan counts outside gradients (``stacklevel``: the caller's)."""
+        if self.outside_gradients:
+            return
+        seen = max([self._outside_seen_bytes, *(
+            executor.outside.seen_bytes for executor in (
+                *(e for _, e in self._executors.values()),
+                *(e for _, e in self._fallbacks.values()), *self._retiring)
+            if executor is not None)])
+        if not seen:
+            return
+        self.outside_gradients = True      # before the warning, which may be raised
+        self.replan()
+        warnings.warn(
+            f"superneurons: a gradient of {format_bytes(seen)} reached an output the model's "
+            "loss is computed from (its logits, say) from outside the model, beside the loss's "
+            "own: that step's plan counted the backward of the model's loss alone, so it may "
+            "have passed the budget by up to those bytes. From this step on, plans count a "
+            "gradient from outside for every output.", stacklevel=stacklevel + 1)
 
     def _in_flight(self) -> bool:
         """Whether any step of this wrapper has handles alive (module Rule 5)."""
@@ -278,6 +295,8 @@ class SuperNeuronsModule(nn.Module):
         """Rule 5: give back a dropped plan's memory now, or once no step of it is in flight."""
         if executor is None:
             return
+        self._outside_seen_bytes = max(self._outside_seen_bytes,            # Rule 9
+                                       executor.outside.seen_bytes)
         if executor.in_flight:
             self._retiring.append(executor)
         else:
@@ -341,7 +360,15 @@ class SuperNeuronsModule(nn.Module):
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
                                     state_on_device=self.state == "device")
-        return self._plan(key, graph, device, foreign), foreign
+        try:
+            return self._plan(key, graph, device, foreign), foreign
+        except BudgetError as error:
+            if not graph.outside_gradients:
+                raise
+            raise BudgetError(
+                f"{error} (This plan counts a gradient from outside the model for every "
+                "output, as an earlier step's backward needed: the warning before.)",
+                error.policy, error.peak_bytes, error.needed_bytes, error.hint) from None
 
     def _plan(self, key, graph, device, foreign: int | None, untouched: bool = True):
         """(plan, executor or None) for a captured graph, within the budget less ``foreign``
@@ -417,9 +444,7 @@ class SuperNeuronsModule(nn.Module):
         elif not torch.is_grad_enabled():
             return self.model(*args, **kwargs)                           # Rule 4
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
-        if not self.outside_gradients and self._saw_outside_gradients():  # Rule 9
-            self.outside_gradients = True
-            self.replan()
+        self._count_outside_gradients(stacklevel=4)                      # Rule 9
         key, (plan, executor), foreign = self._planned(args, kwargs)
         made = self._unreported.pop(key, {})          # the plan's making, on its first step
         device = executor.device if executor is not None else \
