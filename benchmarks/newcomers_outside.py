@@ -17,9 +17,9 @@ Each row keeps the warnings, and the peak of the plan the wrapper holds for the 
 gradients. Budgets come from the plans of the model's loss alone, in both modes: a replan
 counting outside gradients may need more than such a budget (a BudgetError, a row with its
 error, as expected where it names the outside gradient). Models, from tiny configs: HF GPT-2,
-Llama, Qwen2 and Mistral (2 sequences of 16 tokens, the second left-padded by 5), Bart and T5 (fp32, no autocast: 16 tokens in, 8 label
-tokens out), BertForMaskedLM (the second sequence right-padded by 5) and nanoGPT
-(tests/nanogpt.py: returns (logits, loss) given targets).
+Llama, Qwen2 and Mistral (2 sequences of 16 tokens, the second left-padded by 5), Bart and
+T5 (fp32, no autocast: 16 tokens in, 8 label tokens out), BertForMaskedLM (the second sequence
+right-padded by 5) and nanoGPT (tests/nanogpt.py: returns (logits, loss) given targets).
 
 On the CPU the wrapper reads no device memory, so a plan that fits its budget untouched (offload
 at its own peak, on models without convolutions: liveness) runs the model itself, and no
