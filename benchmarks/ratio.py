@@ -136,13 +136,13 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     """One system in this process; ``plain_peak`` and ``ratio`` set the cap (none for plain)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
-    from common import torch_settings
+    from common import calibration_of, torch_settings
     torch_settings()                                 # as every benchmark here: no TF32
     device = torch.device("cuda", 0)
     gpu = GpuLock.from_environment()
     gpu.share()                                      # set-up and first step beside others'
     run, step_once, cap, _ = prepare(name, dtype, system, ratio, plain_peak, device)
-    seconds, first = [], None
+    seconds, first, states = [], None, []
     try:
         for step in range(steps + 2):                      # two warm-up steps
             if step == 1:
@@ -152,8 +152,14 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
             step_once()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
-            if step == 0 and system == "superneurons" and run.stats is not None:
-                first = run.stats.as_dict()
+            if system == "superneurons" and run.stats is not None:
+                if step == 0:
+                    first = run.stats.as_dict()
+                # per step: whether it calibrated, or ran fitted after a step past the budget
+                # (executor Rules 4 and 9: both slower), and what it moved and waited for
+                states.append({**calibration_of(run), "paced_layers": run.stats.paced_layers,
+                               "moved_bytes": run.stats.offloaded_bytes
+                               + run.stats.prefetched_bytes})
     except torch.OutOfMemoryError as error:
         return {"ok": False, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     except (RuntimeError, ValueError) as error:
@@ -171,7 +177,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                    recomputed_layers=run.stats.recomputed_layers,
                    paced_layers=run.stats.paced_layers,
                    predicted_peak_bytes=run.stats.predicted_peak_bytes,
-                   policy=run.stats.policy, first_step=first,
+                   policy=run.stats.policy, first_step=first, steps=states,
                    machine={"memory_bytes_per_s": machine.memory_bytes_per_s,
                             "conv_flops_per_s": machine.conv_flops_per_s,
                             "matmul_flops_per_s": machine.matmul_flops_per_s,
