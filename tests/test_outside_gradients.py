@@ -222,3 +222,64 @@ def test_under_ddp_finding_unused_parameters_the_loss_alone_trains(tmp_path):
         assert not wrapped.outside_gradients
     finally:
         dist.destroy_process_group()
+
+
+class TwiceAndUpcast(TinyLM):
+    """Returns the logits twice; its loss upcasts them (a cast to their own dtype: it returns
+    its input) and adds a term read from the logits before that cast."""
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.embed(ids)))
+        penalty = 1e-3 * logits.square().mean()           # reads the logits before the cast
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), labels.view(-1))
+        return logits, loss + penalty, logits
+
+
+def test_layers_reading_an_output_before_its_cast_are_inside_and_twice_is_one_object():
+    ids, labels = _batch()
+    wrapped = sn.wrap(TwiceAndUpcast(), policy="superneurons")
+    for _ in range(2):
+        first, loss, second = wrapped(ids, labels=labels)
+        assert first is second
+        loss.backward()
+    assert wrapped._last[1].outside.seen_bytes == 0 and not wrapped.outside_gradients
+
+
+@pytest.mark.parametrize("write", ["no_grad", "detach"])
+def test_a_write_autograd_does_not_record_is_no_outside_gradient(write):
+    ids, labels = _batch()
+    wrapped = sn.wrap(TinyLM(), policy="superneurons", slice_loss=False)
+    logits, loss = wrapped(ids, labels=labels)
+    if write == "no_grad":
+        with torch.no_grad():
+            logits[..., 0] = -1e4
+    else:
+        logits.detach().div_(2)
+    loss.backward()
+    assert wrapped._last[1].outside.seen_bytes == 0
+
+
+def test_a_forward_that_raises_leaves_no_output_alive(monkeypatch):
+    import gc
+    import weakref
+    from superneurons.runtime import executor
+    ids, labels = _batch()
+    wrapped = sn.wrap(TinyLM(), policy="superneurons")
+    wrapped(ids, labels=labels)[1].backward()
+    call, made = executor.Executor._call, []
+
+    def raising_after_the_logits(self, layer, args, kwargs, trains=False):
+        if made and made[-1][1]:
+            made[-1] = (made[-1][0], False)
+            raise ValueError("a layer after the logits failed")
+        out = call(self, layer, args, kwargs, trains=trains)
+        if isinstance(out, torch.Tensor) and out.shape == (BATCH, TOKENS, VOCAB):
+            made.append((weakref.ref(out), True))
+        return out
+    monkeypatch.setattr(executor.Executor, "_call", raising_after_the_logits)
+    with pytest.raises(ValueError, match="after the logits"):
+        wrapped(ids, labels=labels)
+    monkeypatch.setattr(executor.Executor, "_call", call)
+    wrapped(ids, labels=labels)[1].backward()
+    gc.collect()
+    assert made and made[0][0]() is None

@@ -55,8 +55,8 @@ def outputs_behind_a_loss(graph: LayerGraph) -> frozenset:
     """The outputs a loss function's inputs are computed from, where that loss flows into a
     loss among the outputs (a floating scalar needing a gradient): their gradient is taken to
     come from inside (Rule 5). A scalar made without a loss function (a z-loss of the logits,
-    which a caller adds to a cross-entropy of its own) marks nothing. Only outputs their layer
-    makes alone: the executor watches those (runtime/outside.py)."""
+    which a caller adds to a cross-entropy of its own) marks nothing. Only outputs the executor
+    can watch (watched_layer)."""
     values, layers = graph.values, graph.layers
     losses = [v for v in graph.output_values if values[v].requires_grad and
               values[v].shape == () and values[v].dtype.is_floating_point]
@@ -65,7 +65,23 @@ def outputs_behind_a_loss(graph: LayerGraph) -> frozenset:
     behind = _producers_behind(graph, [v for layer in loss_layers for v in layer.inputs])
     return frozenset(v for v in graph.output_values
                      if values[v].producer in behind and v not in losses
-                     and len(layers[values[v].producer].outputs) == 1)
+                     and watched_layer(graph, v) is not None)
+
+
+def watched_layer(graph: LayerGraph, value: int) -> int | None:
+    """The layer whose output runtime/outside.py watches for the output ``value``: its
+    producer, or, where that is a cast to the dtype its input has (which returns its input,
+    as HF's logits.float() in fp32), the input's producer, so that every layer of the model
+    reading that tensor reads the watched view; None where that layer makes more than one
+    output."""
+    values, layers = graph.values, graph.layers
+    index = values[value].producer
+    layer = layers[index]
+    if _op_name(layer) in CASTS and layer.inputs and \
+            values[layer.inputs[0]].dtype == values[value].dtype and \
+            values[layer.inputs[0]].producer is not None:
+        index = values[layer.inputs[0]].producer
+    return index if len(layers[index].outputs) == 1 else None
 
 
 def _producers_behind(graph: LayerGraph, values: list) -> set:

@@ -349,6 +349,7 @@ class Executor(RoomKeeping, SavedTensors):
             if self.calibrating:
                 log.info("step %d of this plan: calibrating (reading device memory at every "
                          "layer)", self.step_id)
+        self.outside.begin()                                    # outside.py Rule 3
         env = dict(zip(self.placeholders, args))
         for node in self.attrs:
             env[node] = self._state(node)
@@ -407,8 +408,8 @@ class Executor(RoomKeeping, SavedTensors):
             if not record.alive:
                 record.inputs = None
         out = fx.node.map_arg(self.output.args[0],
-                              lambda node: self.outside.returned(node, env[node]))
-        self.outside.watches.clear()       # a node the output does not name (Rule 1)
+                              lambda node: self.outside.returned(env[node]))
+        self.outside.begin()               # what the output did not name (outside.py Rule 3)
         if self.graph.out_spec is not None:                 # an exported graph's flat outputs
             return pytree.tree_unflatten(list(out), self.graph.out_spec)
         return out
