@@ -17,10 +17,11 @@ Rule 2: a step saw an outside gradient where its producer's backward finds a gra
         than the one the view handed on: another buffer, or that buffer written since (added
         to in place). Where no gradient came from inside (the model's loss not
         backpropagated), the one from outside stands where the plan counted the loss's. An
-        output written in place after it was returned (a temperature, logits /= t) counts as
-        seen when the inside gradient arrives: where the output is a view (a linear layer's
-        on 3-D input), autograd then sends the outside gradient to its base, past the
-        producer's node.
+        output written in place after it was returned, with autograd recording the write (a
+        temperature, logits /= t), counts as seen when the inside gradient arrives: where the
+        output is a view (a linear layer's on 3-D input), autograd then sends the outside
+        gradient to its base, past the producer's node. A write autograd does not record
+        (under no_grad, through .detach()) makes no gradient and is not counted.
 Rule 3: hooks only record (a warning raised as an error inside backward would abort it); the
         wrapper says so and plans again before its next step (runtime/module.py Rule 9).
         Nothing here holds the output past its step: a forward that raised leaves its
