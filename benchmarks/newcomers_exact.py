@@ -167,6 +167,17 @@ def train(model, run, args, kwargs, loss_of, policies=None) -> list:
     return losses
 
 
+def floor_or_refusal(name: str, base, args, kwargs, rows: list):
+    """superneurons' floor for the model's step, or None where capture or planning refused it
+    before a step: then a row saying why is added to ``rows``."""
+    try:
+        return sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
+    except ValueError as error:
+        rows.append({"model": name, "refused": str(error).splitlines()[0][:400]})
+        print(rows[-1], flush=True)
+        return None
+
+
 def runs(floor: int, liveness: int, untouched: bool) -> tuple:
     """(policy, budget) pairs to compare with plain PyTorch."""
     if untouched:
@@ -197,11 +208,8 @@ def compare(models: dict, untouched: bool = False, fit=None, offload_moving: boo
     rows = []
     for name, make in models.items():
         base, args, kwargs, loss_of = make()
-        try:
-            floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
-        except ValueError as error:          # refused before a step: recorded, with why
-            rows.append({"model": name, "refused": str(error).splitlines()[0][:400]})
-            print(rows[-1], flush=True)
+        floor = floor_or_refusal(name, base, args, kwargs, rows)
+        if floor is None:
             continue
         liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
         plain = copy.deepcopy(base)

@@ -41,7 +41,7 @@ import torch
 import superneurons as sn
 from superneurons.planner.plan import BudgetError
 from common import write
-from newcomers_exact import STEPS, read_as_on_cuda, runs, train
+from newcomers_exact import STEPS, floor_or_refusal, read_as_on_cuda, runs, train
 from newcomers_more import CAUSAL, MODELS as MORE, VOCAB, causal
 from newcomers_today import SMALL, encoder
 
@@ -134,11 +134,8 @@ def compare(name: str, make, logits_of) -> list:
     warned and planned."""
     rows = []
     base, args, kwargs, loss_of = make()
-    try:
-        floor = sn.plan(copy.deepcopy(base), args, kwargs=kwargs).peak_bytes
-    except ValueError as error:              # refused before a step: recorded, with why
-        rows.append({"model": name, "refused": str(error).splitlines()[0][:400]})
-        print(rows[-1], flush=True)
+    floor = floor_or_refusal(name, base, args, kwargs, rows)
+    if floor is None:
         return rows
     liveness = sn.plan(copy.deepcopy(base), args, "liveness", kwargs=kwargs).peak_bytes
     offload = sn.plan(copy.deepcopy(base), args, "offload", kwargs=kwargs).peak_bytes
