@@ -615,7 +615,10 @@ def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost
     ``strict_budget`` (CUDA): limit the caching allocator to the budget while a step's forward
     and backward run, so that cuDNN's workspaces fit what the plan leaves and no step passes
     the budget; where a step really uses more than its plan says between layers, it runs out
-    of memory instead (Rule 8)."""
+    of memory instead (Rule 8). Where the model returns its loss beside the logits it is
+    computed from (labels given), plans count the backward of that loss alone; a step that
+    also sends a gradient into those logits (a distillation term) is said once, and plans count
+    it from the next step on (``wrapped.outside_gradients``, Rule 9)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
     return SuperNeuronsModule(model, policy, budget, strategy, state, device, process_group,
