@@ -12,6 +12,7 @@ from torch import nn
 
 import superneurons as sn
 from superneurons.planner.gradients import gradient_buffers, outputs_behind_a_loss
+from superneurons.planner.plan import plan_graph
 
 VOCAB, WIDTH, BATCH, TOKENS = 512, 16, 2, 64
 
@@ -41,6 +42,8 @@ def _batch():
 
 
 def _plan(model, outside: bool = False, **call):
+    """The liveness plan of a step given labels; ``outside``: its graph then marked as having
+    seen an outside gradient (for plans made from it again)."""
     ids, labels = _batch()
     plan = sn.plan(model, (ids,), "liveness", kwargs=dict(labels=labels, **call),
                    device_type="cpu", slice_loss=False)
@@ -70,9 +73,7 @@ def test_the_logits_beside_a_loss_get_no_outside_gradient_unless_one_was_seen():
 
 def test_the_plan_of_a_loss_and_its_logits_holds_one_logits_gradient_not_two():
     logits_bytes = BATCH * TOKENS * VOCAB * 4
-    loss_only, outside = _plan(TinyLM()), _plan(TinyLM())
-    outside.graph.outside_gradients = True
-    from superneurons.planner.plan import plan_graph
+    loss_only, outside = _plan(TinyLM()), _plan(TinyLM(), outside=True)
     assert plan_graph(outside.graph, "liveness").peak_bytes - loss_only.peak_bytes == \
         logits_bytes
 
