@@ -284,3 +284,17 @@ def test_a_forward_that_raises_leaves_no_output_alive(monkeypatch):
     wrapped(ids, labels=labels)[1].backward()
     gc.collect()
     assert made and made[0][0]() is None
+
+
+def test_outside_gradients_asked_for_plans_them_from_the_first_step():
+    ids, labels = _batch()
+    asked = sn.plan(TinyLM(), (ids,), "liveness", kwargs=dict(labels=labels),
+                    device_type="cpu", slice_loss=False, outside_gradients=True)
+    assert asked.peak_bytes - _plan(TinyLM()).peak_bytes == BATCH * TOKENS * VOCAB * 4
+    plain, managed, wrapped = _pair("superneurons", outside_gradients=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # nothing to say: it was planned
+        got = _train(wrapped, 3, outside_loss=True)
+    assert torch.equal(_train(plain, 3, outside_loss=True), got)
+    _assert_same(plain, managed)
+    assert wrapped.plan_for(ids, labels=labels)[0].graph.outside_gradients

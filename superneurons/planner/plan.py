@@ -337,7 +337,8 @@ def _raise_over_budget(result: Plan, budget: int, smallest: Plan | None = None):
 
 def plan(model, example_input, policy="superneurons", budget=None, *,
          strategy="cost-aware", autocast=None, device_type="cuda", kwargs=None,
-         state="device", machine: Machine = H200, slice_loss: bool = True) -> Plan:
+         state="device", machine: Machine = H200, slice_loss: bool = True,
+         outside_gradients: bool = False) -> Plan:
     """Plan the training step of ``model`` on inputs like ``example_input``; nothing is allocated.
 
     ``example_input`` is a tensor on any device (meta included), a shape tuple, or a tuple of
@@ -346,7 +347,8 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     torch.float16), or None for none. ``state``: "device" (parameters, gradients and buffers
     resident on the device) or "host" (kept in host memory and streamed, as sn.wrap(...,
     state="host") runs the model). ``machine``: the device's rates (costs.Machine; sn.wrap
-    measures them on the device it runs on). ``slice_loss``: as sn.wrap's.
+    measures them on the device it runs on). ``slice_loss``, ``outside_gradients``: as
+    sn.wrap's.
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
     parse_state(state)
@@ -357,4 +359,5 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     kwargs = without_full_mask(model, dict(kwargs or {}))        # as sn.wrap calls the model
     graph = capture(model, example_input, autocast_state, kwargs,
                     packed_positions=packed_positions(model, (), kwargs), slice_loss=slice_loss)
+    graph.outside_gradients = bool(outside_gradients)          # gradients.py Rule 5
     return plan_graph(graph, policy, budget, strategy, state, machine)

@@ -50,7 +50,8 @@ Rule 8: with strict_budget on CUDA, a step's forward and backward run with the c
 Rule 9: a plan counts the caller's backward as starting from the model's loss where one is
         among the outputs (planner/gradients.py Rule 5). Once a step saw a gradient reach such
         an output from outside as well (outside.py), the next forward or plan_for warns and
-        makes every plan again, counting outside gradients for every output from then on.
+        makes every plan again, counting outside gradients for every output from then on
+        (wrap(..., outside_gradients=True): from the first step).
 """
 
 import itertools
@@ -107,7 +108,8 @@ log = logging.getLogger(__name__)
 
 class SuperNeuronsModule(nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
-                 process_group=None, slice_loss=True, strict_budget=False):
+                 process_group=None, slice_loss=True, strict_budget=False,
+                 outside_gradients=False):
         super().__init__()
         self.model = model
         self.slice_loss = bool(slice_loss)                        # capture/sliced_loss.py
@@ -149,7 +151,7 @@ class SuperNeuronsModule(nn.Module):
                                  "device, wrap the wrapped model in DistributedDataParallel")
             self._data_parallel = DataParallel(model, process_group, self.compute_device)
         self.max_plans = MAX_PLANS
-        self.outside_gradients = False                                  # Rule 9
+        self.outside_gradients = bool(outside_gradients)                # Rule 9
         self._outside_seen_bytes = 0       # seen by a step of a plan dropped since
         self._init_plans()
         # checkpoints use the model's own keys, so they move freely between wrapped and plain
@@ -265,7 +267,8 @@ class SuperNeuronsModule(nn.Module):
             "loss is computed from (its logits, say) from outside the model, beside the loss's "
             "own: that step's plan counted the backward of the model's loss alone, so it may "
             "have passed the budget by up to those bytes. From this step on, plans count a "
-            "gradient from outside for every output.", stacklevel=stacklevel + 1)
+            "gradient from outside for every output (sn.wrap(..., outside_gradients=True) "
+            "does so from the first step).", stacklevel=stacklevel + 1)
 
     def _in_flight(self) -> bool:
         """Whether any step of this wrapper has handles alive (module Rule 5)."""
@@ -600,7 +603,7 @@ def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
 
 def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost-aware",
          state="device", device=None, process_group=None, slice_loss=True,
-         strict_budget=False):
+         strict_budget=False, outside_gradients=False):
     """Wrap ``model`` so its training steps run within ``budget`` (bytes or e.g. "12GiB").
     ``state="host"`` keeps parameters, gradients, buffers and optimizer state in host memory and
     runs the model on ``device`` (default: CUDA where there is one), streaming the state layer
@@ -618,8 +621,9 @@ def wrap(model: nn.Module, policy="superneurons", budget=None, *, strategy="cost
     of memory instead (Rule 8). Where the model returns its loss beside the logits it is
     computed from (labels given), plans count the backward of that loss alone; a step that
     also sends a gradient into those logits (a distillation term) is said once, and plans count
-    it from the next step on (``wrapped.outside_gradients``, Rule 9)."""
+    it from the next step on (``wrapped.outside_gradients``, Rule 9). ``outside_gradients=True``
+    plans for such a term from the first step."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"wrap() takes an nn.Module, not {type(model).__name__}")
     return SuperNeuronsModule(model, policy, budget, strategy, state, device, process_group,
-                              slice_loss, strict_budget)
+                              slice_loss, strict_budget, outside_gradients)
