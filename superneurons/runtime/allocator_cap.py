@@ -44,6 +44,21 @@ def available() -> bool:
         hasattr(torch._C, "_current_graph_task_id")
 
 
+def capped(caps: dict, device: torch.device, budget_bytes: int, forward):
+    """``forward()`` and the backward of what it returns under ``budget_bytes`` on ``device``
+    (module Rule 8); ``caps``: the wrapper's AllocatorCap per device, made here once."""
+    cap = caps.get(device)
+    if cap is None:
+        cap = caps[device] = AllocatorCap(device, budget_bytes)
+    key = cap.hold_forward()
+    try:
+        out = forward()
+    finally:
+        cap.release(key)
+    cap.through_backward(out)
+    return out
+
+
 class AllocatorCap:
     """One wrapper's budget on one CUDA device, held while its steps run."""
 

@@ -74,6 +74,30 @@ def agreed(check, group, device: torch.device, what: str) -> None:
                          "(their error says why); every rank stops here, before any step")
 
 
+class RefusesDDPOverHostState:
+    """For the wrapper (module Rule 7): DistributedDataParallel around a model wrapped with
+    state="host" is a ValueError before any collective, where DDP's constructor first reads
+    the names it is to ignore; with the state on the device, DDP's own attribute."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # DistributedDataParallel's constructor reads this before any collective
+        if self.state == "host":
+            raise ValueError(
+                "DistributedDataParallel cannot average the gradients of a model wrapped with "
+                "state='host' (they reach .grad without autograd's AccumulateGrad, which DDP "
+                "hooks). Pass the process group to sn.wrap instead and leave DDP out: "
+                "sn.wrap(model, ..., state='host', process_group=torch.distributed.group.WORLD)"
+                "; it averages as DDP does (no_sync() included)")
+        if "_ddp_ignored" in self.__dict__:
+            return self.__dict__["_ddp_ignored"]
+        raise AttributeError("_ddp_params_and_buffers_to_ignore")
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names):
+        self.__dict__["_ddp_ignored"] = names       # DDP's own setter, for state='device'
+
+
 class DataParallel:
     """One wrapped model's data parallelism over ``group``, computing on ``device``."""
 

@@ -72,16 +72,17 @@ from ..capture.hf import packed_positions, without_full_mask
 from ..planner import Policy, parse_policy, parse_strategy, plan_graph
 from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
-from .data_parallel import DataParallel, agreed, check_group
+from .data_parallel import DataParallel, RefusesDDPOverHostState, agreed, check_group
 from .executor import Executor
 from .room import budget_left, foreign_bytes, reads_device_memory
 from .calls import call_key, compute_device, moved_to, on_meta
 from .checkpoint_keys import own_keys, wrapper_keys
-from .allocator_cap import AllocatorCap, available as cap_available
+from .allocator_cap import available as cap_available, capped
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
+from .outside import seen_bytes
 from .state import check_state_tier, to_host_memory
-from .stats import StepStats
+from .stats import StepStats, step_stats
 from .structure import Structure
 from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
@@ -106,7 +107,7 @@ MAX_PLANS = 4
 log = logging.getLogger(__name__)
 
 
-class SuperNeuronsModule(nn.Module):
+class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
                  process_group=None, slice_loss=True, strict_budget=False,
                  outside_gradients=False):
@@ -253,11 +254,9 @@ class SuperNeuronsModule(nn.Module):
         computed from, every plan counts outside gradients (``stacklevel``: the caller's)."""
         if self.outside_gradients:
             return
-        seen = max([self._outside_seen_bytes, *(
-            executor.outside.seen_bytes for executor in (
-                *(e for _, e in self._executors.values()),
-                *(e for _, e in self._fallbacks.values()), *self._retiring)
-            if executor is not None)])
+        seen = max(self._outside_seen_bytes, seen_bytes(
+            *(e for _, e in self._executors.values()),
+            *(e for _, e in self._fallbacks.values()), *self._retiring))
         if not seen:
             return
         self.outside_gradients = True      # before the warning, which may be raised
@@ -516,16 +515,7 @@ class SuperNeuronsModule(nn.Module):
         if not reads_device_memory(device):
             raise ValueError(f"strict_budget limits CUDA's caching allocator; this step runs "
                              f"on {device}: leave strict_budget off there")
-        cap = self._caps.get(device)
-        if cap is None:
-            cap = self._caps[device] = AllocatorCap(device, self.budget_bytes)
-        key = cap.hold_forward()
-        try:
-            out = forward()
-        finally:
-            cap.release(key)
-        cap.through_backward(out)
-        return out
+        return capped(self._caps, device, self.budget_bytes, forward)
 
     def no_sync(self):
         """As DistributedDataParallel.no_sync(): forwards inside it (and their backwards)
@@ -534,24 +524,6 @@ class SuperNeuronsModule(nn.Module):
             raise ValueError("no_sync() is for a model wrapped with state='host' and "
                              "process_group=")
         return self._data_parallel.no_sync()
-
-    @property
-    def _ddp_params_and_buffers_to_ignore(self):
-        # DistributedDataParallel's constructor reads this before any collective (Rule 7)
-        if self.state == "host":
-            raise ValueError(
-                "DistributedDataParallel cannot average the gradients of a model wrapped with "
-                "state='host' (they reach .grad without autograd's AccumulateGrad, which DDP "
-                "hooks). Pass the process group to sn.wrap instead and leave DDP out: "
-                "sn.wrap(model, ..., state='host', process_group=torch.distributed.group.WORLD)"
-                "; it averages as DDP does (no_sync() included)")
-        if "_ddp_ignored" in self.__dict__:
-            return self.__dict__["_ddp_ignored"]
-        raise AttributeError("_ddp_params_and_buffers_to_ignore")
-
-    @_ddp_params_and_buffers_to_ignore.setter
-    def _ddp_params_and_buffers_to_ignore(self, names):
-        self.__dict__["_ddp_ignored"] = names       # DDP's own setter, for state='device'
 
     def __getstate__(self):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
@@ -572,19 +544,7 @@ class SuperNeuronsModule(nn.Module):
         if self._last is None:
             return None
         plan, executor, device, made = self._last
-        measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        cuda = measured > 0              # zero without the caching allocator: not a measurement
-        if executor is None:
-            return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
-                             measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda, **made)
-        pool = executor.pool
-        return StepStats(str(plan.policy), self.budget_bytes, plan.peak_bytes,
-                         measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
-                         pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
-                         executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
-                         executor.calibration_seconds,
-                         executor.tier.moved_bytes if executor.tier is not None else 0,
-                         executor.pace.waits if executor.paced else 0, **made)
+        return step_stats(plan, executor, device, self.budget_bytes, made)
 
 
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from ..planner.gradients import outputs_behind_a_loss, watched_layer
 
-__all__ = ["OutsideGradients"]
+__all__ = ["OutsideGradients", "seen_bytes"]
 
 
 class OutsideGradients:
@@ -74,6 +74,11 @@ class OutsideGradients:
 
     def saw(self, nbytes: int) -> None:
         self.seen_bytes = max(self.seen_bytes, nbytes)
+
+
+def seen_bytes(*executors) -> int:
+    """The largest outside gradient any of ``executors`` (None: a plan run untouched) saw."""
+    return max((e.outside.seen_bytes for e in executors if e is not None), default=0)
 
 
 class _Watch:

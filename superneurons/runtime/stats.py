@@ -2,6 +2,8 @@
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -46,3 +48,22 @@ class StepStats:
 
     def __getitem__(self, key):
         return getattr(self, key)
+
+
+def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
+               made: dict) -> StepStats:
+    """The stats of the step just run by ``executor`` (None: the model ran untouched) of
+    ``plan`` on ``device``; ``made``: the seconds its plan's making took, on its first step."""
+    measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    cuda = measured > 0              # zero without the caching allocator: not a measurement
+    if executor is None:
+        return StepStats(str(plan.policy), budget_bytes, plan.peak_bytes,
+                         measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda, **made)
+    pool = executor.pool
+    return StepStats(str(plan.policy), budget_bytes, plan.peak_bytes,
+                     measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
+                     pool.prefetched_bytes, pool.cache_hits, pool.cache_misses,
+                     executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
+                     executor.calibration_seconds,
+                     executor.tier.moved_bytes if executor.tier is not None else 0,
+                     executor.pace.waits if executor.paced else 0, **made)
