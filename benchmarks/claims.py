@@ -24,11 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 # (name, network, batch, resnet stage-3 blocks or None): the README's largest batches. VGG16,
 # AlexNet and DenseNet-201 are the largest whose plans fit beside momentum and the executor's
 # slack (claim_batches.py, results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
-# (results/claims_zoo.json), below what their plans allow.
+# (results/claims_zoo.json), below what their plans allow. The ResNet [3, 4, n, 3] at batch 16:
+# depth 2,804 trained one step; 2,627 is the deepest whose plan fits beside momentum
+# (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json).
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
           ("resnet152_869", "resnet152", 869, None), ("densenet201_783", "densenet201", 783, None),
           ("inception_v4_450", "inception_v4", 450, None), ("vgg16_265", "vgg16", 265, None),
-          ("alexnet_2124", "alexnet", 2124, None), ("resnet_depth_2804", "resnet", 16, 924)]
+          ("alexnet_2124", "alexnet", 2124, None), ("resnet_depth_2804", "resnet", 16, 924),
+          ("resnet_depth_2627", "resnet", 16, 865)]
 STEPS = 3
 CAP_GIB, BUDGET_GIB = 12.0, 11.5
 
