@@ -46,8 +46,13 @@ def floor(model, call, autocast, outside: bool) -> int:
 
 
 def layer_rows(graph) -> dict:
-    return {layer.name: {"outputs": [(list(graph.values[v].shape), str(graph.values[v].dtype))
+    return {layer.name: {"outputs": [(list(graph.values[v].shape), str(graph.values[v].dtype),
+                                      graph.values[v].requires_grad,
+                                      graph.storages[graph.values[v].storage].nbytes)
                                      for v in layer.outputs],
+                         "kind": str(layer.kind), "target": str(layer.node.target),
+                         "mutates": len(layer.mutates), "is_output": any(
+                             v in graph.output_values for v in layer.outputs),
                          "saved_bytes": sum(s.nbytes if s.value is None
                                             else graph.values[s.value].nbytes
                                             for s in layer.saved),
@@ -64,17 +69,40 @@ def as_wrapped(model, call, autocast) -> dict:
         real = capture(model, (), state, dict(call), slice_loss=True)
     meta_model, meta_call = model_and_call("cpu")
     meta = capture(meta_model, (), state, meta_call, slice_loss=True)
-    try:
-        real_floor = plan_graph(real, Policy.SUPERNEURONS, 1, Strategy.COST_AWARE, "device",
-                                H200).peak_bytes
-    except ValueError as error:
-        real_floor = error.peak_bytes
+    real_plan, meta_plan = floor_plan(real), floor_plan(meta)
     real_rows, meta_rows = layer_rows(real), layer_rows(meta)
     differ = [{"layer": name, "real": real_rows.get(name), "meta": meta_rows.get(name)}
               for name in dict.fromkeys([*real_rows, *meta_rows])
               if real_rows.get(name) != meta_rows.get(name)]
-    return {"real_capture_floor_bytes": real_floor, "layers": len(real.layers),
-            "meta_layers": len(meta.layers), "differing_layers": differ[:60]}
+    real_steps, meta_steps = step_bytes(real_plan), step_bytes(meta_plan)
+    steps = sorted(((real_steps[k] - meta_steps.get(k, 0), k) for k in real_steps),
+                   reverse=True)
+    return {"real_capture_floor_bytes": real_plan.peak_bytes,
+            "meta_capture_floor_bytes": meta_plan.peak_bytes, "layers": len(real.layers),
+            "meta_layers": len(meta.layers), "differing_layers": differ[:60],
+            "outputs": [len(real.output_values), len(meta.output_values)],
+            "outside_gradients": [real.outside_gradients, meta.outside_gradients],
+            "real_peak_steps": top_steps(real_plan), "meta_peak_steps": top_steps(meta_plan),
+            "steps_most_above_meta": [(list(k), d) for d, k in steps[:20]]}
+
+
+def floor_plan(graph):
+    """The plan at the floor: the plan the smallest budget that fits gets."""
+    try:
+        plan_graph(graph, Policy.SUPERNEURONS, 1, Strategy.COST_AWARE, "device", H200)
+    except ValueError as error:
+        return plan_graph(graph, Policy.SUPERNEURONS, error.needed_bytes, Strategy.COST_AWARE,
+                          "device", H200)
+    raise AssertionError("a budget of one byte fits")
+
+
+def step_bytes(plan) -> dict:
+    return {(step.phase, step.layer): step.live_bytes for step in plan.steps}
+
+
+def top_steps(plan) -> list:
+    return [(step.phase, step.layer, step.live_bytes)
+            for step in sorted(plan.steps, key=lambda s: -s.live_bytes)[:8]]
 
 
 def main():
