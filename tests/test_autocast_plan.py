@@ -109,6 +109,39 @@ def test_cuda_autocast_plans_a_half_log_softmax_and_a_float32_copy():
     assert saved and set(saved) == {"torch.float32"}
 
 
+class _CastsItsLogits(nn.Module):
+    """Returns its bf16 logits beside a loss computed from a float32 copy of them, as HF's
+    causal LMs do (logits.float() in the loss): traced in float32, the copy is the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.embed(ids))
+        loss = nn.functional.cross_entropy(logits.float().view(-1, 50), labels.view(-1))
+        return loss, logits
+
+
+def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast():
+    """trace.py Rule 7: planned on the meta device (traced without autocast), the logits the
+    model returns stay outputs beside their float32 copy, and the plan is the one of the graph
+    traced under a real autocast, where the two are different tensors."""
+    torch.manual_seed(0)
+    model = _CastsItsLogits()
+    ids, labels = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
+    meta = capture(model, (ids.to("meta"), labels.to("meta")), ("cpu", torch.bfloat16))
+    assert torch.bfloat16 in {meta.values[v].dtype for v in meta.output_values}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = capture(model, (ids, labels), ("cpu", torch.bfloat16))
+    planned = [sn.planner.plan_graph(graph, sn.planner.Policy.LIVENESS, None,
+                                     sn.planner.Strategy.COST_AWARE, "device",
+                                     sn.planner.H200).peak_bytes for graph in (meta, real)]
+    assert planned[0] == planned[1]
+    assert sn.plan(model, (ids.to("meta"), labels.to("meta")), "liveness",
+                   autocast=torch.bfloat16, device_type="cpu").peak_bytes == planned[1]
+
+
 def test_wrap_plans_again_when_the_autocast_state_changes():
     torch.manual_seed(0)
     wrapped = sn.wrap(Traps(), policy="superneurons")

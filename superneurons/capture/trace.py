@@ -21,6 +21,14 @@ Rule 5: for a step under torch.autocast, layers run inside AutocastOnMeta (autoc
 Rule 6: each layer's forward and backward scratch, the temporaries l_f and l_b do not name, is
         measured in that run (scratch.py), and so is whether it draws random numbers (any
         operation tagged nondeterministic_seeded): a replay must draw the same ones.
+Rule 7: an output made by an operation that returned its input, or a view of it, when the
+        graph was traced (a cast to the dtype the input had then: HF's ``logits.float()``
+        traced in float32) but a tensor of its own here (under autocast the input is
+        bfloat16) may be either tensor in the step: the trace cannot tell which one the
+        model returns. Both are outputs, kept to the end of the step. HF's causal LMs return
+        the bfloat16 logits and cast a float32 copy for their loss: counting the copy alone
+        left GPT-2's planned floor 1.15 GiB below the plan of the graph traced under CUDA's
+        own autocast.
 """
 
 import contextlib
@@ -155,9 +163,7 @@ class Analyzer:
                 if isinstance(attr, torch.Tensor):
                     self.state_storage[storage_key(self.env[node])] = self._new_storage(0, None)
             elif node.op == "output":
-                outputs = tuple(self.value_of[id(t)] for t in
-                                pytree.tree_leaves(fx.node.map_arg(node.args[0], self.env.get))
-                                if isinstance(t, torch.Tensor) and id(t) in self.value_of)
+                outputs = self._outputs(node)
             else:
                 layer, deps = self._run_layer(node, _layer_name(node, names, self.exported))
                 self.layer_of[node] = layer.index
@@ -180,6 +186,24 @@ class Analyzer:
             layers=self.layers, values=self.values, storages=self.storages,
             input_values=tuple(inputs), output_values=outputs, param_bytes=0, buffer_bytes=0,
             graph_module=self.gm, order_deps=order_deps, input_nodes=tuple(input_nodes))
+
+    def _outputs(self, node: fx.Node) -> tuple:
+        """The values the model returns, with the inputs of the casts Rule 7 names."""
+        returned = []
+        fx.node.map_arg(node.args[0], returned.append)
+        for made in returned:
+            while _aliased_when_traced(made) and self._storage_of(made) is not None and \
+                    self._storage_of(made) != self._storage_of(made.args[0]):
+                made = made.args[0]
+                returned.append(made)
+        tensors = [self.env.get(made) for made in returned]
+        return tuple(dict.fromkeys(self.value_of[id(t)] for t in tensors
+                                   if isinstance(t, torch.Tensor) and id(t) in self.value_of))
+
+    def _storage_of(self, node: fx.Node) -> int | None:
+        tensor = self.env.get(node)
+        value = self.value_of.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return None if value is None else self.values[value].storage
 
     def _name_by_module(self) -> None:
         """A module that ran as one operation is named as the module alone."""
@@ -455,3 +479,12 @@ class Analyzer:
             else:
                 saved.append(Saved(None, base.untyped_storage().nbytes()))
         return tuple(saved)
+
+
+def _aliased_when_traced(node: fx.Node) -> bool:
+    """Rule 7: ``node`` returned a view of its first input when the graph was traced."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    traced, traced_input = node.meta.get("val"), node.args[0].meta.get("val")
+    return (isinstance(traced, torch.Tensor) and isinstance(traced_input, torch.Tensor)
+            and torch._C._is_alias_of(traced, traced_input))
