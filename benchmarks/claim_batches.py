@@ -8,9 +8,10 @@ fits the budget less the momentum buffers and what PyTorch itself keeps on the d
 
 Writes OUT/claim_batches.json: per network, the one-step largest (floor within the budget) and
 the steady-state largest (floor within the budget less momentum and the executor's slack), by
-bisection on batch size. ``--resnet-depth-batch B`` asks the same of the depth benchmarks'
-bottleneck ResNet [3, 4, n, 3] at batch B (common.make_deep_resnet), by bisection on n (its
-momentum grows with n too). The slack is what the executor leaves beside a calibrated plan for real
+bisection on batch size. ``--resnet-depth-batch B`` and ``--densenet-depth-batch B`` ask the
+same of the depth benchmarks' bottleneck ResNet [3, 4, n, 3] (common.make_deep_resnet) and
+DenseNet-BC (k=12, 32 px images, depth 6n + 4) at batch B, by bisection on n (momentum grows
+with n too). The slack is what the executor leaves beside a calibrated plan for real
 use between layer boundaries (calibration.SLACK_SHARE): a floor that fills it passed the budget
 (AlexNet at 2171 by 4 MiB, claims_0495cd2.json).
 """
@@ -44,29 +45,38 @@ def deep_resnet(n3: int) -> torch.nn.Module:
         return models.resnet(blocks=(3, 4, n3, 3))
 
 
+def densenet_bc(n: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        return models.densenet(6 * n + 4, 12, cifar=True)
+
+
 def momentum_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def deepest(batch: int, budget: int, slack: int, largest) -> dict:
-    """The deepest ResNet [3, 4, n, 3] whose floor fits at ``batch``: one step, and beside
-    momentum (steady)."""
+# name -> (model of n blocks, input shape at a batch, depth of n blocks, bisection's first n)
+DEEP = {"resnet_depth": (deep_resnet, lambda b: (b, 3, 224, 224), lambda n: 3 * (n + 10) + 2, 64),
+        "densenet_bc_depth": (densenet_bc, lambda b: (b, 3, 32, 32), lambda n: 6 * n + 4, 256)}
+
+
+def deepest(network: str, batch: int, budget: int, slack: int, largest) -> dict:
+    """The deepest ``network`` (DEEP) whose floor fits at ``batch``: one step, and beside
+    momentum (steady), by bisection on its block count n."""
+    build, shape, depth, low = DEEP[network]
     floors = {}
 
-    def floor(n3):
-        if n3 not in floors:
-            floors[n3] = sn.plan(deep_resnet(n3), (batch, 3, 224, 224),
-                                 policy="superneurons").peak_bytes
-        return floors[n3]
-    one_step, _ = largest(lambda n3: floor(n3) <= budget, low=64, tolerance=0)
-    steady, _ = largest(lambda n3: floor(n3) + momentum_bytes(deep_resnet(n3)) + OTHERS_BYTES
-                        + slack <= budget, low=max(1, one_step // 2), bound=one_step + 1,
-                        tolerance=0)
-    return {"network": "resnet_depth", "batch": batch, "others_bytes": OTHERS_BYTES,
-            "slack_bytes": slack, "one_step_n3": one_step, "one_step_depth": 3 * (one_step + 10) + 2,
-            "one_step_floor_bytes": floor(one_step), "steady_n3": steady,
-            "steady_depth": 3 * (steady + 10) + 2, "steady_floor_bytes": floor(steady),
-            "steady_momentum_bytes": momentum_bytes(deep_resnet(steady))}
+    def floor(n):
+        if n not in floors:
+            floors[n] = sn.plan(build(n), shape(batch), policy="superneurons").peak_bytes
+        return floors[n]
+    one_step, _ = largest(lambda n: floor(n) <= budget, low=low, tolerance=0)
+    steady, _ = largest(lambda n: floor(n) + momentum_bytes(build(n)) + OTHERS_BYTES + slack
+                        <= budget, low=max(1, one_step // 2), bound=one_step + 1, tolerance=0)
+    return {"network": network, "batch": batch, "others_bytes": OTHERS_BYTES,
+            "slack_bytes": slack, "one_step_n": one_step, "one_step_depth": depth(one_step),
+            "one_step_floor_bytes": floor(one_step), "steady_n": steady,
+            "steady_depth": depth(steady), "steady_floor_bytes": floor(steady),
+            "steady_momentum_bytes": momentum_bytes(build(steady))}
 
 
 def main():
@@ -76,6 +86,8 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=11.5)
     parser.add_argument("--resnet-depth-batch", type=int, default=None,
                         help="also the deepest ResNet [3, 4, n, 3] at this batch")
+    parser.add_argument("--densenet-depth-batch", type=int, default=None,
+                        help="also the deepest DenseNet-BC (k=12, 32 px) at this batch")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import largest, write
@@ -105,11 +117,13 @@ def main():
         write(os.path.join(args.out, "claim_batches.json"),
               {"command": " ".join(sys.argv), "budget_bytes": budget, "results": rows},
               quiet=True)
-    if args.resnet_depth_batch:
-        began = time.perf_counter()
-        rows.append(deepest(args.resnet_depth_batch, budget, slack, largest))
-        rows[-1]["seconds"] = time.perf_counter() - began
-        print(rows[-1], flush=True)
+    for network, batch in (("resnet_depth", args.resnet_depth_batch),
+                           ("densenet_bc_depth", args.densenet_depth_batch)):
+        if batch:
+            began = time.perf_counter()
+            rows.append(deepest(network, batch, budget, slack, largest))
+            rows[-1]["seconds"] = time.perf_counter() - began
+            print(rows[-1], flush=True)
     write(os.path.join(args.out, "claim_batches.json"),
           {"command": " ".join(sys.argv), "budget_bytes": budget, "results": rows})
 

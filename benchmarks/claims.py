@@ -21,9 +21,10 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-# (name, network, batch, resnet stage-3 blocks or None): the README's largest batches. VGG16,
-# AlexNet and DenseNet-201 are the largest whose plans fit beside momentum and the executor's
-# slack (claim_batches.py, results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
+# (name, network, batch, the ResNet's stage-3 blocks or DenseNet-BC's depth, else None): the
+# README's largest batches and depths. VGG16, AlexNet and DenseNet-201 are the largest whose
+# plans fit beside momentum and the executor's slack (claim_batches.py,
+# results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
 # (results/claims_zoo.json), below what their plans allow. The ResNet [3, 4, n, 3] at batch 16:
 # depth 2,804 trained one step; 2,627 is the deepest whose plan fits beside momentum
 # (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json).
@@ -41,11 +42,15 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     import superneurons as sn
-    from common import calibration_of, cap_memory, make, make_deep_resnet, sgd, sgd_step
+    from common import (calibration_of, cap_memory, make, make_deep_resnet, make_densenet_bc,
+                        sgd, sgd_step)
 
     cap_memory(CAP_GIB)
     began = time.perf_counter()
-    model, x, y = make(network, batch, "cuda") if n3 is None else make_deep_resnet(n3, batch)
+    if network == "densenet_bc":
+        model, x, y = make_densenet_bc(n3, batch)
+    else:
+        model, x, y = make(network, batch, "cuda") if n3 is None else make_deep_resnet(n3, batch)
     row = {"build_s": time.perf_counter() - began}
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
     optimizer = sgd(model)

@@ -228,6 +228,13 @@ def make_deep_resnet(n3: int, batch: int, device="cuda"):
     return model, x, torch.randint(0, 1000, (batch,), device=device)
 
 
+def make_densenet_bc(depth: int, batch: int, device="cuda"):
+    """The depth benchmarks' DenseNet-BC (k=12, depth 6n + 4) and a batch of 32 px images."""
+    model = models.densenet(depth, 12, cifar=True).to(device)
+    x = torch.randn(batch, 3, 32, 32, device=device)
+    return model, x, torch.randint(0, 10, (batch,), device=device)
+
+
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer every benchmark steps: SGD with momentum (its state counts on the device)."""
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import superneurons as sn  # noqa: E402
 from superneurons import models  # noqa: E402
-from common import cap_memory, fits, largest, make, make_deep_resnet, sgd, sgd_step, \
-    system, throughput, write  # noqa: E402
+from common import cap_memory, fits, largest, make, make_deep_resnet, make_densenet_bc, sgd, \
+    sgd_step, system, throughput, write  # noqa: E402
 from no_workspace import DenyWorkspace  # noqa: E402
 
 SYSTEMS = ["plain", "checkpoint", "save_on_cpu", "superneurons"]
@@ -197,10 +197,8 @@ def densenet_part(args) -> dict:
     The systems are plain, torch.utils.checkpoint around every dense layer (what the
     memory-efficient DenseNet recomputes, and a little more: the layer's 3x3 convolution) and
     superneurons; save_on_cpu is left out: its host memory grows with the square of the depth."""
-    def build(depth, device="cuda"):
-        model = models.densenet(depth, 12, cifar=True).to(device)
-        x = torch.randn(64, 3, 32, 32, device=device)
-        return model, x, torch.randint(0, 10, (64,), device=device)
+    def build(depth):
+        return make_densenet_bc(depth, 64)
     cuda = torch.cuda.is_available()
     systems = [name for name in args.systems if name in DENSENET_SYSTEMS]
     rows = []
