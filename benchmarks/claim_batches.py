@@ -59,6 +59,23 @@ DEEP = {"resnet_depth": (deep_resnet, lambda b: (b, 3, 224, 224), lambda n: 3 * 
         "densenet_bc_depth": (densenet_bc, lambda b: (b, 3, 32, 32), lambda n: 6 * n + 4, 256)}
 
 
+def probed(network: str, batch: int, budget: int, slack: int, blocks: list) -> dict:
+    """Whether ``network`` (DEEP) fits one step and beside momentum at each block count in
+    ``blocks``: the steady test of deepest() at chosen points, without its bisection (a
+    DenseNet-BC of 6,000 layers takes a minute to plan)."""
+    build, shape, depth, _ = DEEP[network]
+    rows = []
+    for n in blocks:
+        floor = sn.plan(build(n), shape(batch), policy="superneurons").peak_bytes
+        momentum = momentum_bytes(build(n))
+        rows.append({"n": n, "depth": depth(n), "floor_bytes": floor, "momentum_bytes": momentum,
+                     "one_step_fits": floor <= budget,
+                     "steady_fits": floor + momentum + OTHERS_BYTES + slack <= budget})
+        print(rows[-1], flush=True)
+    return {"network": network, "batch": batch, "others_bytes": OTHERS_BYTES,
+            "slack_bytes": slack, "probes": rows}
+
+
 def deepest(network: str, batch: int, budget: int, slack: int, largest) -> dict:
     """The deepest ``network`` (DEEP) whose floor fits at ``batch``: one step, and beside
     momentum (steady), by bisection on its block count n."""
@@ -88,6 +105,8 @@ def main():
                         help="also the deepest ResNet [3, 4, n, 3] at this batch")
     parser.add_argument("--densenet-depth-batch", type=int, default=None,
                         help="also the deepest DenseNet-BC (k=12, 32 px) at this batch")
+    parser.add_argument("--depth-probes", type=int, nargs="*", default=None, metavar="N",
+                        help="with a depth batch: test these block counts, no bisection")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import largest, write
@@ -121,7 +140,9 @@ def main():
                            ("densenet_bc_depth", args.densenet_depth_batch)):
         if batch:
             began = time.perf_counter()
-            rows.append(deepest(network, batch, budget, slack, largest))
+            rows.append(deepest(network, batch, budget, slack, largest)
+                        if args.depth_probes is None else
+                        probed(network, batch, budget, slack, args.depth_probes))
             rows[-1]["seconds"] = time.perf_counter() - began
             print(rows[-1], flush=True)
     write(os.path.join(args.out, "claim_batches.json"),

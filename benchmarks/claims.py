@@ -27,12 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 # results/claim_batches.json); the ResNets and Inception-v4 the largest that trained 3 steps
 # (results/claims_zoo.json), below what their plans allow. The ResNet [3, 4, n, 3] at batch 16:
 # depth 2,804 trained one step; 2,627 is the deepest whose plan fits beside momentum
-# (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json).
+# (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json). DenseNet-BC
+# (k=12, batch 64): 3,058 trained one step; 2,734 is the deepest whose plan fits beside momentum
+# (claim_batches.py --depth-probes, results/claim_depth_densenet_bc_64.json).
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
           ("resnet152_869", "resnet152", 869, None), ("densenet201_783", "densenet201", 783, None),
           ("inception_v4_450", "inception_v4", 450, None), ("vgg16_265", "vgg16", 265, None),
           ("alexnet_2124", "alexnet", 2124, None), ("resnet_depth_2804", "resnet", 16, 924),
-          ("resnet_depth_2627", "resnet", 16, 865)]
+          ("resnet_depth_2627", "resnet", 16, 865),
+          ("densenet_bc_depth_2734", "densenet_bc", 64, 2734)]
 STEPS = 3
 CAP_GIB, BUDGET_GIB = 12.0, 11.5
 

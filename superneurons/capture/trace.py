@@ -191,7 +191,7 @@ class Analyzer:
         """The values the model returns, with the inputs of the casts Rule 7 names."""
         returned = []
         fx.node.map_arg(node.args[0], returned.append)
-        for made in returned:
+        for made in list(returned):
             while _aliased_when_traced(made) and self._storage_of(made) is not None and \
                     self._storage_of(made) != self._storage_of(made.args[0]):
                 made = made.args[0]
