@@ -86,9 +86,14 @@ def deepest(network: str, batch: int, budget: int, slack: int, largest) -> dict:
         if n not in floors:
             floors[n] = sn.plan(build(n), shape(batch), policy="superneurons").peak_bytes
         return floors[n]
-    one_step, _ = largest(lambda n: floor(n) <= budget, low=low, tolerance=0)
+    # no probes above the bisection's result: fitting grows monotone with the blocks here, and a
+    # DenseNet-BC of 6,000 layers takes a minute to plan
+    one_step, _ = largest(lambda n: floor(n) <= budget, low=low, tolerance=0, look_above=())
+    if not one_step:
+        return {"network": network, "batch": batch, "one_step_n": 0, "steady_n": 0}
     steady, _ = largest(lambda n: floor(n) + momentum_bytes(build(n)) + OTHERS_BYTES + slack
-                        <= budget, low=max(1, one_step // 2), bound=one_step + 1, tolerance=0)
+                        <= budget, low=max(1, one_step // 2), bound=one_step + 1, tolerance=0,
+                        look_above=())
     return {"network": network, "batch": batch, "others_bytes": OTHERS_BYTES,
             "slack_bytes": slack, "one_step_n": one_step, "one_step_depth": depth(one_step),
             "one_step_floor_bytes": floor(one_step), "steady_n": steady,
@@ -108,6 +113,10 @@ def main():
     parser.add_argument("--depth-probes", type=int, nargs="*", default=None, metavar="N",
                         help="with a depth batch: test these block counts, no bisection")
     args = parser.parse_args()
+    depth_batches = [b for b in (args.resnet_depth_batch, args.densenet_depth_batch) if b]
+    if args.depth_probes is not None and len(depth_batches) != 1:
+        parser.error("--depth-probes tests the block counts of one depth network: give "
+                     "--resnet-depth-batch or --densenet-depth-batch, one of them")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import largest, write
     budget = int(args.budget_gib * 2**30)

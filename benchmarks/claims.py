@@ -40,7 +40,7 @@ STEPS = 3
 CAP_GIB, BUDGET_GIB = 12.0, 11.5
 
 
-def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
+def one(network: str, batch: int, size, steps: int = STEPS) -> dict:
     """One claim in this process: the step's timings and memory, or where it failed."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -51,9 +51,11 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
     cap_memory(CAP_GIB)
     began = time.perf_counter()
     if network == "densenet_bc":
-        model, x, y = make_densenet_bc(n3, batch)
+        model, x, y = make_densenet_bc(size, batch)
+    elif network == "resnet":
+        model, x, y = make_deep_resnet(size, batch)
     else:
-        model, x, y = make(network, batch, "cuda") if n3 is None else make_deep_resnet(n3, batch)
+        model, x, y = make(network, batch, "cuda")
     row = {"build_s": time.perf_counter() - began}
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
     optimizer = sgd(model)
@@ -101,8 +103,8 @@ def one(network: str, batch: int, n3, steps: int = STEPS) -> dict:
 
 
 def run_in_child(claim, round_index: int, steps: int) -> dict:
-    name, network, batch, n3 = claim
-    command = [sys.executable, __file__, "--child", network, str(batch), str(n3), str(steps)]
+    name, network, batch, size = claim
+    command = [sys.executable, __file__, "--child", network, str(batch), str(size), str(steps)]
     began = time.time()
     done = subprocess.run(command, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -110,16 +112,17 @@ def run_in_child(claim, round_index: int, steps: int) -> dict:
     row = json.loads(lines[-1]) if lines else {
         "trains": False, "budget_held": False, "error": f"process ended with {done.returncode}: "
                                  f"{done.stderr.strip().splitlines()[-1:] or ''}"}
-    row.update(claim=name, network=network, batch=batch, n3=n3, round=round_index,
-               process_s=time.time() - began)
+    row.update(claim=name, network=network, batch=batch, round=round_index,
+               process_s=time.time() - began,
+               **({"n3" if network == "resnet" else "depth": size} if size else {}))
     print(json.dumps({k: v for k, v in row.items() if k != "steps"}), flush=True)
     return row
 
 
 def main():
     if sys.argv[1] == "--child":
-        network, batch, n3, steps = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-        print(json.dumps(one(network, batch, None if n3 == "None" else int(n3), steps)),
+        network, batch, size, steps = sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        print(json.dumps(one(network, batch, None if size == "None" else int(size), steps)),
               flush=True)
         return
     parser = argparse.ArgumentParser()
@@ -131,6 +134,10 @@ def main():
     parser.add_argument("--extra", nargs="*", default=[], metavar="NETWORK:BATCH",
                         help="more claims to try, e.g. inception_v4:450")
     args = parser.parse_args()
+    for extra in args.extra:
+        if extra.split(":")[0] in ("resnet", "densenet_bc") or extra.count(":") != 1:
+            parser.error(f"--extra takes a zoo network and a batch (inception_v4:450), not "
+                         f"{extra!r}; depth claims are CLAIMS entries")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write
     claims = [c for c in CLAIMS if args.only is None or c[0] in args.only] + [

@@ -24,6 +24,7 @@ from common import gpt2, token_batch, write
 from ratio import BATCH, SEQUENCE, VOCAB
 from superneurons.capture import capture
 from superneurons.planner import H200, Policy, Strategy, plan_graph
+from superneurons.planner.plan import BudgetError
 
 DTYPES = (("fp32", None), ("bf16", torch.bfloat16))
 
@@ -41,7 +42,7 @@ def floor(model, call, autocast, outside: bool) -> int:
     try:
         return sn.plan(model, (), "superneurons", budget=1, kwargs=call, autocast=autocast,
                        outside_gradients=outside).peak_bytes
-    except ValueError as error:              # BudgetError: its peak is the floor
+    except BudgetError as error:             # its peak is the floor
         return error.peak_bytes
 
 
@@ -81,17 +82,16 @@ def as_wrapped(model, call, autocast) -> dict:
             "meta_capture_floor_bytes": meta_plan.peak_bytes, "layers": len(real.layers),
             "meta_layers": len(meta.layers), "differing_layers": differ[:60],
             "outputs": [len(real.output_values), len(meta.output_values)],
-            "outside_gradients": [real.outside_gradients, meta.outside_gradients],
             "real_peak_steps": top_steps(real_plan), "meta_peak_steps": top_steps(meta_plan),
             "steps_most_above_meta": [(list(k), d) for d, k in steps[:20]]}
 
 
 def floor_plan(graph):
-    """The plan at the floor: the plan the smallest budget that fits gets."""
+    """The plan at the floor: the plan a budget of the floor's bytes gets."""
     try:
         plan_graph(graph, Policy.SUPERNEURONS, 1, Strategy.COST_AWARE, "device", H200)
-    except ValueError as error:
-        return plan_graph(graph, Policy.SUPERNEURONS, error.needed_bytes, Strategy.COST_AWARE,
+    except BudgetError as error:
+        return plan_graph(graph, Policy.SUPERNEURONS, error.peak_bytes, Strategy.COST_AWARE,
                           "device", H200)
     raise AssertionError("a budget of one byte fits")
 

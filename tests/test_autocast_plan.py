@@ -123,23 +123,73 @@ class _CastsItsLogits(nn.Module):
         return loss, logits
 
 
-def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast():
-    """trace.py Rule 7: planned on the meta device (traced without autocast), the logits the
-    model returns stay outputs beside their float32 copy, and the plan is the one of the graph
-    traced under a real autocast, where the two are different tensors."""
+class _ReturnsItsCast(nn.Module):
+    """Returns a float32 cast of its bf16 logits, which nothing else reads (no loss), and then
+    computes another output: the bf16 logits need not live past their cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+        self.other = nn.Linear(16, 200)
+
+    def forward(self, ids, labels):
+        hidden = self.embed(ids)
+        return self.head(hidden).float(), self.other(hidden)
+
+
+def _meta_and_real(model, outside: bool = False) -> list:
+    """The plans of ``model``'s graph traced on the meta device (as sn.plan traces it) and of the
+    one traced from real CPU tensors under CPU autocast, where a cast is a tensor of its own."""
     torch.manual_seed(0)
-    model = _CastsItsLogits()
     ids, labels = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
     meta = capture(model, (ids.to("meta"), labels.to("meta")), ("cpu", torch.bfloat16))
-    assert torch.bfloat16 in {meta.values[v].dtype for v in meta.output_values}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         real = capture(model, (ids, labels), ("cpu", torch.bfloat16))
-    planned = [sn.planner.plan_graph(graph, sn.planner.Policy.LIVENESS, None,
-                                     sn.planner.Strategy.COST_AWARE, "device",
-                                     sn.planner.H200).peak_bytes for graph in (meta, real)]
-    assert planned[0] == planned[1]
-    assert sn.plan(model, (ids.to("meta"), labels.to("meta")), "liveness",
-                   autocast=torch.bfloat16, device_type="cpu").peak_bytes == planned[1]
+    plans = []
+    for graph in (meta, real):
+        graph.outside_gradients = outside
+        plans.append(sn.planner.plan_graph(graph, sn.planner.Policy.LIVENESS, None,
+                                           sn.planner.Strategy.COST_AWARE, "device",
+                                           sn.planner.H200))
+    return plans
+
+
+def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast():
+    """trace.py Rule 7: planned on the meta device (traced without autocast), the logits the
+    model returns stay outputs beside their float32 copy, and every step is planned as in the
+    graph traced under a real autocast, where the two are different tensors."""
+    meta, real = _meta_and_real(_CastsItsLogits())
+    assert torch.bfloat16 in {meta.graph.values[v].dtype for v in meta.graph.output_values}
+    assert [s.live_bytes for s in meta.steps] == [s.live_bytes for s in real.steps]
+    ids = torch.randint(0, 50, (4, 8), device="meta")
+    assert sn.plan(_CastsItsLogits(), (ids, ids), "liveness", autocast=torch.bfloat16,
+                   device_type="cpu").peak_bytes == real.peak_bytes
+
+
+def test_a_cast_the_model_returns_alone_is_its_only_output():
+    """Rule 7 leaves a cast that nothing but the output reads: it is what the model returns."""
+    meta, real = _meta_and_real(_ReturnsItsCast())
+    assert [s.live_bytes for s in meta.steps] == [s.live_bytes for s in real.steps]
+
+
+def test_a_cast_and_what_it_cast_get_one_gradient_from_outside():
+    """gradients.py Rule 5 with trace.py Rule 7: of the float32 copy and the bf16 logits the
+    model may return, the larger alone gets a gradient from outside. The real step gives one to
+    the bf16 logits, so the meta plan is above it by the difference of the two alone."""
+    meta, real = _meta_and_real(_CastsItsLogits(), outside=True)
+    logits = 4 * 8 * 50
+    assert meta.peak_bytes - real.peak_bytes in range(0, logits * (4 - 2) + 1)
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x + 1, x * 2
+
+
+def test_a_leaf_that_returns_a_tuple_returns_both():
+    """A torch.fx graph whose last leaf returns a tuple: both tensors are outputs."""
+    graph = capture(nn.Sequential(nn.Linear(4, 4), _Pair()), torch.randn(2, 4))
+    assert len(graph.output_values) == 2
 
 
 def test_wrap_plans_again_when_the_autocast_state_changes():

@@ -89,6 +89,9 @@ class LayerGraph:
     # whether outputs the model's loss is computed from get gradients from outside it too:
     # seen at run time (planner/gradients.py Rule 5)
     outside_gradients: bool = False
+    # trace.py Rule 7: an output made by a cast -> the output it was cast from (the model may
+    # return either)
+    cast_from: dict = field(default_factory=dict)
 
     @property
     def resident_bytes(self) -> int:

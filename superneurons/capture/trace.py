@@ -25,10 +25,12 @@ Rule 7: an output made by an operation that returned its input, or a view of it,
         graph was traced (a cast to the dtype the input had then: HF's ``logits.float()``
         traced in float32) but a tensor of its own here (under autocast the input is
         bfloat16) may be either tensor in the step: the trace cannot tell which one the
-        model returns. Both are outputs, kept to the end of the step. HF's causal LMs return
-        the bfloat16 logits and cast a float32 copy for their loss: counting the copy alone
-        left GPT-2's planned floor 1.15 GiB below the plan of the graph traced under CUDA's
-        own autocast.
+        model returns. Where the graph reads the cast besides returning it, both are outputs,
+        kept to the end of the step (a gradient from outside counted once, for the larger:
+        planner/gradients.py Rule 5). HF's causal LMs return the bfloat16 logits and cast a
+        float32 copy for their loss: counting the copy alone left GPT-2's planned floor 1.15
+        GiB below the plan of the graph traced under CUDA's own autocast. A cast read by the
+        output alone is taken to be what the model returns (``return head(h).float()``).
 """
 
 import contextlib
@@ -138,7 +140,7 @@ class Analyzer:
 
     def run(self, flat_inputs: list) -> LayerGraph:
         names, last_call_of_module, last_random = {}, {}, None
-        order_deps, inputs, input_nodes, outputs = {}, [], [], ()
+        order_deps, inputs, input_nodes, outputs, cast_from = {}, [], [], (), {}
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(flat_inputs):
             raise ValueError(f"the model takes {len(placeholders)} inputs as captured, the "
@@ -163,7 +165,7 @@ class Analyzer:
                 if isinstance(attr, torch.Tensor):
                     self.state_storage[storage_key(self.env[node])] = self._new_storage(0, None)
             elif node.op == "output":
-                outputs = self._outputs(node)
+                outputs, cast_from = self._outputs(node)
             else:
                 layer, deps = self._run_layer(node, _layer_name(node, names, self.exported))
                 self.layer_of[node] = layer.index
@@ -185,24 +187,30 @@ class Analyzer:
         return LayerGraph(
             layers=self.layers, values=self.values, storages=self.storages,
             input_values=tuple(inputs), output_values=outputs, param_bytes=0, buffer_bytes=0,
-            graph_module=self.gm, order_deps=order_deps, input_nodes=tuple(input_nodes))
+            graph_module=self.gm, order_deps=order_deps, input_nodes=tuple(input_nodes),
+            cast_from=cast_from)
 
     def _outputs(self, node: fx.Node) -> tuple:
-        """The values the model returns, with the inputs of the casts Rule 7 names."""
-        returned = []
+        """(the values the model returns, with the inputs of the casts Rule 7 names; each such
+        cast -> its input)."""
+        returned, cast_from = [], {}
         fx.node.map_arg(node.args[0], returned.append)
         for made in list(returned):
-            while _aliased_when_traced(made) and self._storage_of(made) is not None and \
-                    self._storage_of(made) != self._storage_of(made.args[0]):
+            while _cast_only_here(made, self._storage_of):
+                cast_from[self._value_of(made)] = self._value_of(made.args[0])
                 made = made.args[0]
                 returned.append(made)
-        tensors = [self.env.get(made) for made in returned]
-        return tuple(dict.fromkeys(self.value_of[id(t)] for t in tensors
-                                   if isinstance(t, torch.Tensor) and id(t) in self.value_of))
+        tensors = [t for made in returned for t in pytree.tree_leaves(self.env.get(made))]
+        outputs = tuple(dict.fromkeys(self.value_of[id(t)] for t in tensors
+                                      if isinstance(t, torch.Tensor) and id(t) in self.value_of))
+        return outputs, cast_from
+
+    def _value_of(self, node: fx.Node) -> int | None:
+        tensor = self.env.get(node)
+        return self.value_of.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
 
     def _storage_of(self, node: fx.Node) -> int | None:
-        tensor = self.env.get(node)
-        value = self.value_of.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        value = self._value_of(node)
         return None if value is None else self.values[value].storage
 
     def _name_by_module(self) -> None:
@@ -479,6 +487,17 @@ class Analyzer:
             else:
                 saved.append(Saved(None, base.untyped_storage().nbytes()))
         return tuple(saved)
+
+
+def _cast_only_here(node: fx.Node, storage_of) -> bool:
+    """Rule 7: ``node`` returned a view of its first input when the graph was traced, a tensor
+    of its own here (``storage_of``: a node's storage in this run), and something in the graph
+    reads it besides the output: a cast read only by the output is the tensor returned."""
+    if not _aliased_when_traced(node):
+        return False
+    storage = storage_of(node)
+    return (storage is not None and storage != storage_of(node.args[0])
+            and any(user.op != "output" for user in node.users))
 
 
 def _aliased_when_traced(node: fx.Node) -> bool:

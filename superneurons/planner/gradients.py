@@ -31,7 +31,9 @@ Rule 5: backward starts from the model's outputs, each with a gradient from outs
         logits-sized buffer that plain PyTorch never makes (GPT-2 small's floor read 3.07 GiB
         high). Where a gradient does reach such an output from outside (a distillation loss on
         the logits beside the model's), the executor sees it and the wrapper plans again with
-        it (LayerGraph.outside_gradients; runtime/outside.py).
+        it (LayerGraph.outside_gradients; runtime/outside.py). Of an output and the output it
+        was cast from (capture's trace.py Rule 7: the model returns one of them), only the
+        larger gets a gradient from outside.
 """
 
 from ..capture import Kind, LayerGraph
@@ -114,6 +116,16 @@ def _op_name(layer) -> str:
     return type(layer.module).__name__.lower() if layer.module is not None else ""
 
 
+def _smaller_of_cast_pairs(graph: LayerGraph) -> frozenset:
+    """Of an output and the output it was cast from (capture's trace.py Rule 7: the model
+    returns one of the two), the one whose gradient from outside would be the smaller: one
+    gradient is counted, as large as either's."""
+    values = graph.values
+    return frozenset(min((cast, source), key=lambda v: (values[v].nbytes, v == source))
+                     for cast, source in graph.cast_from.items()
+                     if cast is not None and source is not None)
+
+
 class _GradientFlow:
     def __init__(self, graph: LayerGraph, timeline):
         self.graph, self.timeline = graph, timeline
@@ -124,6 +136,7 @@ class _GradientFlow:
     def run(self) -> list:
         graph, n = self.graph, self.timeline.num_layers
         inside = frozenset() if graph.outside_gradients else outputs_behind_a_loss(graph)
+        inside |= _smaller_of_cast_pairs(graph)
         for value in dict.fromkeys(graph.output_values):                        # Rule 5
             if graph.values[value].requires_grad and graph.values[value].producer is not None \
                     and value not in inside:
