@@ -30,7 +30,11 @@ Rule 7: an output made by an operation that returned its input, or a view of it,
         planner/gradients.py Rule 5). HF's causal LMs return the bfloat16 logits and cast a
         float32 copy for their loss: counting the copy alone left GPT-2's planned floor 1.15
         GiB below the plan of the graph traced under CUDA's own autocast. A cast read by the
-        output alone is taken to be what the model returns (``return head(h).float()``).
+        output alone (or by views the output returns) is taken to be what the model returns
+        (``return head(h).float()``). A returned view of such a cast counts as the cast, but
+        stays the float32 copy's view: the forward is planned at least as high as the step,
+        while at the cast's own backward step the plan can be below it by the bfloat16
+        tensor.
 """
 
 import contextlib
@@ -196,14 +200,29 @@ class Analyzer:
         returned, cast_from = [], {}
         fx.node.map_arg(node.args[0], returned.append)
         for made in list(returned):
-            while _cast_only_here(made, self._storage_of):
-                cast_from[self._value_of(made)] = self._value_of(made.args[0])
-                made = made.args[0]
+            while True:
+                views = self._views_up_from(made)         # a view of the cast is returned
+                cast = views[-1].args[0] if views else made
+                if not _cast_only_here(cast, self._storage_of, {node, *views}):
+                    break
+                cast_from[self._value_of(made)] = self._value_of(cast.args[0])
+                made = cast.args[0]
                 returned.append(made)
         tensors = [t for made in returned for t in pytree.tree_leaves(self.env.get(made))]
         outputs = tuple(dict.fromkeys(self.value_of[id(t)] for t in tensors
                                       if isinstance(t, torch.Tensor) and id(t) in self.value_of))
         return outputs, cast_from
+
+    def _views_up_from(self, node: fx.Node) -> list:
+        """``node`` and the nodes it views in turn, while each shares its input's storage here,
+        last the one whose input is not such a view."""
+        views = []
+        while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
+                and self._storage_of(node) is not None \
+                and self._storage_of(node) == self._storage_of(node.args[0]):
+            views.append(node)
+            node = node.args[0]
+        return views
 
     def _value_of(self, node: fx.Node) -> int | None:
         tensor = self.env.get(node)
@@ -489,15 +508,16 @@ class Analyzer:
         return tuple(saved)
 
 
-def _cast_only_here(node: fx.Node, storage_of) -> bool:
+def _cast_only_here(node: fx.Node, storage_of, returning: set) -> bool:
     """Rule 7: ``node`` returned a view of its first input when the graph was traced, a tensor
-    of its own here (``storage_of``: a node's storage in this run), and something in the graph
-    reads it besides the output: a cast read only by the output is the tensor returned."""
+    of its own here (``storage_of``: a node's storage in this run), and a node other than
+    ``returning`` (the output and the views it returns of ``node``) reads it: a cast read only
+    on the way out is the tensor returned."""
     if not _aliased_when_traced(node):
         return False
     storage = storage_of(node)
     return (storage is not None and storage != storage_of(node.args[0])
-            and any(user.op != "output" for user in node.users))
+            and any(user not in returning for user in node.users))
 
 
 def _aliased_when_traced(node: fx.Node) -> bool:
