@@ -17,6 +17,7 @@ use between layer boundaries (calibration.SLACK_SHARE): a floor that fills it pa
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -76,24 +77,30 @@ def probed(network: str, batch: int, budget: int, slack: int, blocks: list) -> d
             "slack_bytes": slack, "probes": rows}
 
 
+def one_step_and_steady(floor, beside, budget: int, low: int, largest, **bisection) -> tuple:
+    """(the largest n whose ``floor(n)`` fits the budget, the largest whose floor fits beside
+    ``beside(n)``: momentum, the others and the slack), by bisection (tolerance 0)."""
+    one_step, _ = largest(lambda n: floor(n) <= budget, low=low, tolerance=0, **bisection)
+    if not one_step:
+        return 0, 0
+    steady, _ = largest(lambda n: floor(n) + beside(n) <= budget, low=max(1, one_step // 2),
+                        bound=one_step + 1, tolerance=0, **bisection)
+    return one_step, steady
+
+
 def deepest(network: str, batch: int, budget: int, slack: int, largest) -> dict:
     """The deepest ``network`` (DEEP) whose floor fits at ``batch``: one step, and beside
     momentum (steady), by bisection on its block count n."""
     build, shape, depth, low = DEEP[network]
-    floors = {}
-
-    def floor(n):
-        if n not in floors:
-            floors[n] = sn.plan(build(n), shape(batch), policy="superneurons").peak_bytes
-        return floors[n]
+    floor = functools.cache(
+        lambda n: sn.plan(build(n), shape(batch), policy="superneurons").peak_bytes)
     # no probes above the bisection's result: fitting grows monotone with the blocks here, and a
     # DenseNet-BC of 6,000 layers takes a minute to plan
-    one_step, _ = largest(lambda n: floor(n) <= budget, low=low, tolerance=0, look_above=())
+    one_step, steady = one_step_and_steady(
+        floor, lambda n: momentum_bytes(build(n)) + OTHERS_BYTES + slack, budget, low, largest,
+        look_above=())
     if not one_step:
         return {"network": network, "batch": batch, "one_step_n": 0, "steady_n": 0}
-    steady, _ = largest(lambda n: floor(n) + momentum_bytes(build(n)) + OTHERS_BYTES + slack
-                        <= budget, low=max(1, one_step // 2), bound=one_step + 1, tolerance=0,
-                        look_above=())
     return {"network": network, "batch": batch, "others_bytes": OTHERS_BYTES,
             "slack_bytes": slack, "one_step_n": one_step, "one_step_depth": depth(one_step),
             "one_step_floor_bytes": floor(one_step), "steady_n": steady,
@@ -126,16 +133,9 @@ def main():
         began = time.perf_counter()
         with torch.device("meta"):
             momentum = momentum_bytes(models.build(network))
-        floors = {}
-
-        def floor(batch):
-            if batch not in floors:
-                floors[batch] = floor_bytes(network, batch)
-            return floors[batch]
-        # the planner's floor grows with the batch: bisection to the batch (tolerance 0)
-        one_step, _ = largest(lambda b: floor(b) <= budget, low=64, tolerance=0)
-        steady, _ = largest(lambda b: floor(b) + momentum + OTHERS_BYTES + slack <= budget,
-                            low=max(1, one_step // 2), bound=one_step + 1, tolerance=0)
+        floor = functools.cache(lambda batch, network=network: floor_bytes(network, batch))
+        one_step, steady = one_step_and_steady(
+            floor, lambda batch: momentum + OTHERS_BYTES + slack, budget, 64, largest)
         rows.append({"network": network, "momentum_bytes": momentum, "others_bytes": OTHERS_BYTES,
                      "slack_bytes": slack,
                      "one_step_batch": one_step, "one_step_floor_bytes": floor(one_step),
