@@ -4,6 +4,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .untouched import retries_since_reset
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -25,6 +27,9 @@ class StepStats:
     state_moved_bytes: int = 0
     # forward layers at which the host waited for the compute stream (executor Rule 10)
     paced_layers: int = 0
+    # CUDA: requests the caching allocator met only after returning the memory it held free,
+    # since the step's forward (its limit reached: near_limit.py)
+    allocator_retries: int = 0
     # host seconds of making the plan, on the first step that runs it (0 on later steps; a
     # plan made by plan_for() before any step is reported by the step that first runs it):
     # capturing the model, measuring the device's rates (once per device and TF32 setting,
@@ -56,9 +61,11 @@ def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
     ``plan`` on ``device``; ``made``: the seconds its plan's making took, on its first step."""
     measured = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     cuda = measured > 0              # zero without the caching allocator: not a measurement
+    retries = retries_since_reset(device)
     if executor is None:
         return StepStats(str(plan.policy), budget_bytes, plan.peak_bytes,
-                         measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda, **made)
+                         measured if cuda else plan.peak_bytes, 0, 0, 0, 0, 0, cuda,
+                         allocator_retries=retries, **made)
     pool = executor.pool
     return StepStats(str(plan.policy), budget_bytes, plan.peak_bytes,
                      measured if cuda else executor.accounted_peak, pool.offloaded_bytes,
@@ -66,4 +73,4 @@ def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
                      executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                      executor.calibration_seconds,
                      executor.tier.moved_bytes if executor.tier is not None else 0,
-                     executor.pace.waits if executor.paced else 0, **made)
+                     executor.pace.waits if executor.paced else 0, retries, **made)

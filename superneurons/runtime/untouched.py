@@ -33,6 +33,8 @@ Rule 5: a managed step past the budget also tells its executor by how much, once
         boundaries missed that much real use between them, which a step later than the
         calibrating ones can meet (ResNet-101 at batch 896 passed by 120 MiB in its third
         step, claims_0495cd2.json, not in its second).
+Rule 6: every step read for Rule 4 is also read for the allocator's retries since its forward
+        (near_limit.py): a step that had one is said once per call key, held budget or not.
 """
 
 import warnings
@@ -42,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from ..units import format_bytes
 from .calibration import SLACK_SHARE
+from .near_limit import allocator_retries, message
 from .room import untouched_holds
 
 # twice the largest share measured (GPT-2 small fp32, 5.7%), rounded up to a power of two
@@ -51,6 +54,8 @@ WARMUP_STEPS = 1
 
 # per device, every reset of the peak statistic by any wrapper: a reading spanning one is dropped
 _resets: dict = {}
+# per device, the allocator's retries at the latest reset (Rule 6)
+_retries_at_reset: dict = {}
 
 
 def _device_key(device: torch.device) -> tuple:
@@ -66,6 +71,12 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     key = _device_key(device)
     _resets[key] = _resets.get(key, 0) + 1
+    _retries_at_reset[key] = allocator_retries(device)
+
+
+def retries_since_reset(device: torch.device) -> int:
+    """The allocator's retries since the latest reset on ``device`` (Rule 6; StepStats)."""
+    return allocator_retries(device) - _retries_at_reset.get(_device_key(device), 0)
 
 
 def peak_allocated_bytes(device: torch.device) -> int | None:
@@ -88,6 +99,7 @@ class UntouchedWatch:
         self._pending: list = []     # hook handles of the step being watched
         self._forgotten = 0          # forget() calls: a reading queued before one is dropped
         self.passed: set = set()     # keys whose step passed the budget and was said (Rule 4)
+        self.retried: set = set()    # keys whose step's allocator retried, said (Rule 6)
 
     def warm(self, key) -> bool:
         """Rule 1: whether ``key``'s warm-up is done."""
@@ -145,6 +157,7 @@ class UntouchedWatch:
         self.warmups.pop(key, None)
         self.excess.pop(key, None)
         self.passed.discard(key)
+        self.retried.discard(key)
 
     def _ended(self, key, device: torch.device, predicted: int | None,
                budget_bytes: int | None, began: tuple, passed) -> None:
@@ -154,6 +167,10 @@ class UntouchedWatch:
         peak = peak_allocated_bytes(device)
         if peak is None:
             return
+        retries = retries_since_reset(device)
+        if retries and budget_bytes is not None and key not in self.retried:   # Rule 6
+            self.retried.add(key)
+            warnings.warn(message(device, retries, budget_bytes), stacklevel=1)
         if predicted is not None:
             self.excess[key] = peak - predicted
         if budget_bytes is None or peak <= budget_bytes:

@@ -1,0 +1,67 @@
+"""A step that held its budget and still came close to running out of memory, on CUDA.
+
+The budget counts allocated bytes. The caching allocator also holds memory free between
+allocations, and with expandable segments it maps the device in pages of 20 MiB (2 MiB for
+requests of 1 MiB or less): a page that holds one live tensor stays mapped, and the rest of it
+serves only requests that fit there; a large one needs pages newly mapped, under the limit.
+Long-lived tensors made in the middle of a step (gradients, an optimizer's first state) scatter
+over such pages. DenseNet-BC at depth 2,734 within 11.5 GiB of a 12 GiB limit held 1.8-2.3 GiB
+free in pages shared with live tensors at the end of each backward
+(benchmarks/results/diagnose_fragmentation_densenet_bc_2734_*.json); at depths 2,644 and 2,554
+the step after the first ran out of memory with 1.45-2.34 GiB held free, every time, where its
+plan held the budget (claims_densenet_bc_2644_2554_near_limit*.json).
+
+When a request finds the device's limit reached, the allocator returns all it holds free and
+tries again (a retry: it synchronizes the device); when that fails too, the step runs out of
+memory, inside autograd's kernels beyond the runtime's reach (executor Rule 5). A retry is the
+warning the runtime can read: the count of retries since the step's forward is in its stats,
+and the first step of a call that had one says so (untouched.py Rule 6).
+"""
+
+import torch
+
+from ..units import format_bytes
+
+
+def allocator_retries(device: torch.device) -> int:
+    """The caching allocator's count of requests met only after it returned its free memory
+    (0 off CUDA or without the caching allocator)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+
+
+def limit_bytes(device: torch.device) -> int:
+    """What the allocator may reserve on ``device``: the caller's per-process fraction of it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(index) \
+        if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return int(total * fraction)
+
+
+def message(device: torch.device, retries: int, budget_bytes: int) -> str:
+    """What to tell the user of a step on ``device`` with ``retries`` retries, from the step's
+    peaks."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return said(device, retries, budget_bytes, stats["reserved_bytes"]["all"]["peak"],
+                stats["allocated_bytes"]["all"]["peak"], limit_bytes(device))
+
+
+def said(device, retries: int, budget_bytes: int, reserved: int, allocated: int,
+         limit: int) -> str:
+    """message() from the step's peaks reserved and allocated and the allocator's limit."""
+    # the allocator held reserved - allocated beyond the tensors at their peaks; the budget
+    # that leaves it that much below the limit (a lower bound: reserved stopped at the limit)
+    fitting = limit - (reserved - allocated)
+    advice = (f"lower the budget to {format_bytes(fitting)} or less, or raise the limit"
+              if fitting < budget_bytes else
+              "memory beside the plan (the loss, other tensors, another wrapper) took the "
+              "room: free it, or lower the budget")
+    return (f"superneurons: in a training step on {device} the caching allocator reached its "
+            f"limit of {format_bytes(limit)} {retries} time(s) and returned the memory it held "
+            f"free to go on (at their peaks it reserved {format_bytes(reserved)} for "
+            f"{format_bytes(allocated)} allocated; the budget is "
+            f"{format_bytes(budget_bytes)}). Memory it holds but cannot reuse (fragmentation) "
+            f"brought the step close to running out of memory, and a later step may: {advice}")
+
