@@ -5,7 +5,7 @@ summarised at the end of every backward and, if one comes, at the out-of-memory 
 
     python benchmarks/diagnose_fragmentation.py OUT_DIR [--network densenet_bc] [--batch 64]
         [--size 2734] [--steps 4] [--rounds 2] [--parallel 2] [--seconds 400]
-        [--with-stacks 1]
+        [--with-stacks 1] [--arena none|grads|both]
         (CUDA; writes OUT_DIR/diagnose_fragmentation_ROUND.json as each round ends)
 
 A summary, per stream and pool: the bytes mapped, allocated and free, and of the free bytes
@@ -68,7 +68,36 @@ def summary(snapshot: dict, top: int = 8) -> dict:
             "pinned_by": dict(sorted(pinners.items(), key=lambda kv: -kv[1])[:top])}
 
 
-def child(network: str, batch: int, size: int, steps: int, stacks: bool) -> None:
+def arenas(parameters: list, optimizer, which: str):
+    """The experiment of ``--arena``: gradients (and with "both", SGD's momentum) as views of
+    one buffer made before the first step, so that no backward scatters them over the pages
+    its activations free. Returns the step's zero_grad: it zeroes the buffer and sets every
+    .grad to its view again (autograd then adds into it in place). Only for this network,
+    whose every parameter gets a gradient each step: a model's unused parameter would get a
+    zero gradient where PyTorch leaves None."""
+    import torch
+
+    def views(buffer):
+        out, offset = [], 0
+        for p in parameters:
+            out.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+    numel = sum(p.numel() for p in parameters)
+    flat = torch.zeros(numel, device="cuda")
+    grads = views(flat)
+    if which == "both":        # momentum 0: the first step's 0.9 * 0 + g is clone(g)'s value
+        for p, buffer in zip(parameters, views(torch.zeros(numel, device="cuda"))):
+            optimizer.state[p]["momentum_buffer"] = buffer
+
+    def zero_grad():
+        flat.zero_()
+        for p, grad in zip(parameters, grads):
+            p.grad = grad
+    return zero_grad
+
+
+def child(network: str, batch: int, size: int, steps: int, stacks: bool, arena: str) -> None:
     """Prints its row, as a JSON line, after every step and at an out-of-memory."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -81,7 +110,7 @@ def child(network: str, batch: int, size: int, steps: int, stacks: bool) -> None
     model, x, y = build(size, batch) if build else make(network, batch, "cuda")
     if stacks:                 # who pins the pages; without, the step runs at its own speed
         torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
-    row = {"steps": [], "at_oom": None, "stacks": stacks}
+    row = {"steps": [], "at_oom": None, "stacks": stacks, "arena": arena}
 
     def at_oom(device, requested, allocated, free):
         row["at_oom"] = {"requested": requested, "stats": stats(),
@@ -95,12 +124,15 @@ def child(network: str, batch: int, size: int, steps: int, stacks: bool) -> None
     torch._C._cuda_attach_out_of_memory_observer(at_oom)
     wrapped = sn.wrap(model, policy="superneurons", budget=f"{BUDGET_GIB}GiB")
     optimizer = sgd(model)
+    zero_grad = lambda: optimizer.zero_grad(set_to_none=True)             # noqa: E731
+    if arena != "none":
+        zero_grad = arenas([p for p in model.parameters() if p.requires_grad], optimizer, arena)
     try:
         for _ in range(steps):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             began = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
+            zero_grad()
             loss = F.nll_loss(wrapped(x).float(), y)
             loss.backward()
             torch.cuda.synchronize()
@@ -122,7 +154,7 @@ def child(network: str, batch: int, size: int, steps: int, stacks: bool) -> None
 
 def run_round(args, index: int) -> dict:
     command = [sys.executable, __file__, "--child", args.network, str(args.batch),
-               str(args.size), str(args.steps), str(int(index < args.with_stacks))]
+               str(args.size), str(args.steps), str(int(index < args.with_stacks)), args.arena]
     try:        # the child prints its row after every step: a round out of time keeps them
         out = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=args.seconds,
                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout
@@ -143,9 +175,9 @@ def run_round(args, index: int) -> dict:
 
 def main():
     if sys.argv[1] == "--child":
-        network, batch, size, steps, stacks = sys.argv[2], int(sys.argv[3]), \
-            int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
-        child(network, batch, size, steps, stacks)
+        network, batch, size, steps, stacks, arena = sys.argv[2], int(sys.argv[3]), \
+            int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1", sys.argv[7]
+        child(network, batch, size, steps, stacks, arena)
         return
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -158,6 +190,8 @@ def main():
     parser.add_argument("--seconds", type=float, default=400, help="each round's limit")
     parser.add_argument("--with-stacks", type=int, default=1,
                         help="how many rounds record Python stacks (the first ones)")
+    parser.add_argument("--arena", choices=("none", "grads", "both"), default="none",
+                        help="gradients (both: and momentum) in one buffer of their own")
     args = parser.parse_args()
     with ThreadPoolExecutor(args.parallel) as pool:
         list(pool.map(lambda i: run_round(args, i), range(args.rounds)))

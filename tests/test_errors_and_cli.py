@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import re
 
@@ -99,6 +100,26 @@ def test_cli_train_summarizes_the_step(capsys):
     assert "layers recomputed" in out and "superneurons" in out
     assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "1",
                  "--device", "cpu", "--budget", "1KB"]) == 2
+
+
+def test_cli_train_shows_the_allocators_retries_where_memory_is_measured(capsys,
+                                                                          monkeypatch):
+    """On CUDA (faked: measured stats) the summary counts the last step's allocator retries;
+    on the CPU, where nothing is measured, it has no such row."""
+    from superneurons.runtime import module, stats
+
+    def measured(*args, **kwargs):
+        return dataclasses.replace(step_stats(*args, **kwargs), measured=True,
+                                   allocator_retries=3)
+    step_stats = stats.step_stats
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "1",
+                 "--device", "cpu"]) == 0
+    assert "allocator retries" not in capsys.readouterr().out
+    monkeypatch.setattr(module, "step_stats", measured)
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "1",
+                 "--device", "cpu"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if "allocator retries" in line]
+    assert len(row) == 1 and "3" in row[0]
 
 
 def test_cli_train_runs_under_bf16_autocast(capsys):

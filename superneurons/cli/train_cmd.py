@@ -164,6 +164,8 @@ def _train(args, progress: Progress) -> None:
                     ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
+                    *([["allocator retries, last step (its limit reached)",
+                        stats.allocator_retries]] if stats.measured else []),
                     ["offloaded / prefetched", f"{format_bytes(stats.offloaded_bytes)} / "
                                                f"{format_bytes(stats.prefetched_bytes)}"],
                     ["cache hits / misses", f"{stats.cache_hits} / {stats.cache_misses}"],
