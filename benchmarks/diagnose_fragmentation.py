@@ -33,7 +33,9 @@ PAGE = {"small": 2 * MIB, "large": 20 * MIB}
 
 
 def stranded(start: int, size: int, page: int) -> int:
-    """Bytes of the free range [start, start + size) outside the whole pages inside it."""
+    """Bytes of the free range [start, start + size) outside the whole pages inside it;
+    ``start`` from the segment's base, where its pages begin (the base itself is aligned to
+    2 MiB only)."""
     first = -(-start // page) * page
     last = (start + size) // page * page
     return size if last <= first else size - (last - first)
@@ -56,10 +58,11 @@ def summary(snapshot: dict, top: int = 8) -> dict:
                 continue
             row["free"] += block["size"]
             row["free_blocks"] += 1
-            lost = stranded(block["address"], block["size"], PAGE[pool])
+            start = block["address"] - segment["address"]
+            lost = stranded(start, block["size"], PAGE[pool])
             row["stranded"] += lost
-            row["stranded_at_2MiB"] += stranded(block["address"], block["size"], 2 * MIB)
-            if lost:
+            row["stranded_at_2MiB"] += stranded(start, block["size"], 2 * MIB)
+            if lost:       # half to each live neighbour: an estimate of who pins the pages
                 for neighbour in (blocks[i - 1] if i else None,
                                   blocks[i + 1] if i + 1 < len(blocks) else None):
                     if neighbour and neighbour["state"] == "active_allocated":

@@ -35,12 +35,7 @@ def _step(wrapped, optimizer, x, y, during_forward=lambda: None) -> list:
 
 
 def test_a_step_whose_allocator_retried_is_counted_and_said_once_per_call(monkeypatch):
-    retries = [0]
-    monkeypatch.setattr(module, "reads_device_memory", lambda device: True)
-    monkeypatch.setattr(module, "foreign_bytes", lambda *args, **kwargs: 0)
-    monkeypatch.setattr(untouched, "peak_allocated_bytes", lambda device: 1)
-    monkeypatch.setattr(untouched, "allocator_retries", lambda device: retries[0])
-    monkeypatch.setattr(untouched, "message", lambda device, n, budget: f"retried {n}")
+    retries = _faked(monkeypatch)
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     tight = sn.plan(_net(), x, policy="superneurons").peak_bytes     # below liveness: managed
     for budget, managed in ((1 << 30, [True, False, False, False]), (tight, [True] * 4)):
@@ -55,6 +50,71 @@ def test_a_step_whose_allocator_retried_is_counted_and_said_once_per_call(monkey
             assert wrapped.stats.allocator_retries == bump
         assert told == [[], ["retried 2"], [], []]
         assert ran == managed                   # both kinds of step are read
+
+
+def _faked(monkeypatch, peak=1):
+    """CUDA's readings faked on the CPU: the step's peak and the allocator's retries (a list
+    whose one item the test moves); the message names the retries only."""
+    retries = [0]
+    monkeypatch.setattr(module, "reads_device_memory", lambda device: True)
+    monkeypatch.setattr(module, "foreign_bytes", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(untouched, "peak_allocated_bytes", lambda device: peak)
+    monkeypatch.setattr(untouched, "allocator_retries", lambda device: retries[0])
+    monkeypatch.setattr(untouched, "message", lambda device, n, budget: f"retried {n}")
+    return retries
+
+
+def test_retries_are_said_after_a_pass_and_across_another_wrappers_reset(monkeypatch):
+    """Rule 6 is its own: a call already said past its budget (Rule 4) is still read for
+    retries, and a reset of the peak statistic by another wrapper inside the step (Rule 3
+    drops that peak) moves no count; a count reset below the step's start reads 0."""
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    liveness = sn.plan(_net(), x, policy="liveness").peak_bytes
+    retries = _faked(monkeypatch, peak=2 * liveness)          # every step past the budget
+    wrapped = sn.wrap(_net(), policy="liveness", budget=liveness + liveness // 2)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    first = _step(wrapped, optimizer, x, y)
+    assert any("over the budget" in m for m in first)
+    assert not any(m.startswith("retried") for m in first)
+
+    def another_wrappers_reset_after_retries():
+        retries[0] += 3
+        untouched.reset_peak(torch.device("cpu"))
+    second = _step(wrapped, optimizer, x, y, another_wrappers_reset_after_retries)
+    assert [m for m in second if m.startswith("retried")] == ["retried 3"]
+    retries[0] = 0                    # the caller reset the allocator's counts
+    assert wrapped.stats.allocator_retries == 0
+
+
+def test_retries_under_the_runtimes_own_workspace_limit_are_not_the_devices(monkeypatch):
+    """A workspace refused under executor Rule 9's limit counts as the allocator's retry;
+    near_limit leaves those out, forward and backward, and counts those while a backward
+    convolution's limit is lifted (its saved tensors coming back under the caller's)."""
+    from superneurons.runtime import near_limit
+    from superneurons.runtime.workspaces import WorkspaceFit
+    from test_workspaces import FakeAllocator
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB)
+    cuda = torch.device("cuda", 0)
+    fit = WorkspaceFit(cuda, budget_bytes=2 * GiB, slack_bytes=0)
+    with fit.fitted([MiB]):
+        fake.retries += 4                              # workspaces refused under the limit
+    assert near_limit.allocator_retries(cuda) == 0
+    fake.retries += 1                                  # the device's limit, outside any fit
+    assert near_limit.allocator_retries(cuda) == 1
+    fit._backward_begins([MiB])
+    fake.retries += 2
+    assert near_limit.allocator_retries(cuda) == 1     # under the limit now in force
+    with fit.lifted():
+        fake.retries += 5                              # the caller's limit: the device's
+    fake.retries += 6
+    workspaces_end(fit)
+    assert near_limit.allocator_retries(cuda) == 6
+
+
+def workspaces_end(fit) -> None:
+    """The backward convolution's node ended (its hook)."""
+    from superneurons.runtime import workspaces
+    workspaces._end(fit.index)
 
 
 def test_the_message_says_what_budget_leaves_the_allocator_its_overhead():

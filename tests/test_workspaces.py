@@ -9,7 +9,7 @@ from torch import nn
 import superneurons as sn
 from torch.autograd.graph import saved_tensors_hooks
 
-from superneurons.runtime import allocator_cap, executor as executor_module, workspaces
+from superneurons.runtime import allocator_cap, executor as executor_module, near_limit, workspaces
 from superneurons.runtime.workspaces import WorkspaceFit, grad_bytes, segment_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -31,20 +31,24 @@ def test_a_request_reserves_at_most_its_allocator_segment():
 
 class FakeAllocator:
     """CUDA's allocator as the fit reads and limits it, on a machine without CUDA: what is
-    allocated and reserved, the per-process fraction of an 80 GiB device, empty_cache (which
-    leaves a 2 MiB sliver of every partly used page)."""
+    allocated and reserved, its count of retries, the per-process fraction of an 80 GiB device,
+    empty_cache (which leaves a 2 MiB sliver of every partly used page)."""
 
     def __init__(self, monkeypatch, allocated, reserved, fraction=1.0, total=80 * GiB):
         self.allocated, self.reserved, self.fraction, self.total = allocated, reserved, \
             fraction, total
-        self.emptied, self.limits = 0, []
+        self.emptied, self.limits, self.retries = 0, [], 0
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda index: type("Properties", (), {"total_memory": total}))
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
                             lambda index=None: self.fraction, raising=False)
         monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", self.set)
         monkeypatch.setattr(torch.cuda, "empty_cache", self.empty)
-        monkeypatch.setattr(workspaces, "_stats", lambda index: (self.allocated, self.reserved))
+        monkeypatch.setattr(workspaces, "_stats",
+                            lambda index: (self.allocated, self.reserved, self.retries))
+        monkeypatch.setattr(near_limit, "counted", lambda index: self.retries)
+        monkeypatch.setattr(near_limit, "_own", {})
+        monkeypatch.setattr(near_limit, "_began", {})
 
     def set(self, fraction, index=None):
         self.fraction = fraction

@@ -4,18 +4,17 @@ The budget counts allocated bytes. The caching allocator also holds memory free 
 allocations, and with expandable segments it maps the device in pages of 20 MiB (2 MiB for
 requests of 1 MiB or less): a page that holds one live tensor stays mapped, and the rest of it
 serves only requests that fit there; a large one needs pages newly mapped, under the limit.
-Long-lived tensors made in the middle of a step (gradients, an optimizer's first state) scatter
-over such pages. DenseNet-BC at depth 2,734 within 11.5 GiB of a 12 GiB limit held 1.8-2.3 GiB
-free in pages shared with live tensors at the end of each backward
-(benchmarks/results/diagnose_fragmentation_densenet_bc_2734_*.json); at depths 2,644 and 2,554
-the step after the first ran out of memory with 1.45-2.34 GiB held free, every time, where its
-plan held the budget (claims_densenet_bc_2644_2554_near_limit*.json).
+Tensors made in the middle of a step and kept past it (gradients, an optimizer's first state)
+can pin such pages. DenseNet-BC at depths 2,644 and 2,554 within 11.5 GiB of a 12 GiB
+limit ran out of memory in the step after the first, every time, with 1.45-2.34 GiB held free
+and its plan within the budget (benchmarks/results/claims_densenet_bc_2644_2554_near_limit*.json).
 
 When a request finds the device's limit reached, the allocator returns all it holds free and
 tries again (a retry: it synchronizes the device); when that fails too, the step runs out of
 memory, inside autograd's kernels beyond the runtime's reach (executor Rule 5). A retry is the
-warning the runtime can read: the count of retries since the step's forward is in its stats,
-and the first step of a call that had one says so (untouched.py Rule 6).
+warning the runtime can read: the count since the step's forward, less the retries under the
+runtime's own workspace limits (executor Rule 9), is in its stats, and the first step of a call
+that had one says so (untouched.py Rule 6).
 """
 
 import torch
@@ -23,12 +22,40 @@ import torch
 from ..units import format_bytes
 
 
+# per CUDA device index: retries made while the runtime's own limit for a convolution's
+# workspace was in force (workspaces.py), and the count when the one in force now began. Under
+# that limit a workspace the allocator cannot give is refused and counted as a retry, and
+# PyTorch runs an engine that needs less: the runtime's doing, not the device's limit reached.
+_own: dict = {}
+_began: dict = {}
+
+
+def counted(index: int) -> int:
+    """The caching allocator's count of retries on device ``index``."""
+    return torch.cuda.memory_stats_as_nested_dict(index).get("num_alloc_retries", 0)
+
+
+def own_limit_began(index: int, count: int) -> None:
+    """The runtime's workspace limit is in force on ``index`` from now; ``count``: counted()."""
+    _began[index] = count
+
+
+def own_limit_ended(index: int) -> None:
+    began = _began.pop(index, None)
+    if began is not None:
+        _own[index] = _own.get(index, 0) + counted(index) - began
+
+
 def allocator_retries(device: torch.device) -> int:
-    """The caching allocator's count of requests met only after it returned its free memory
+    """The caching allocator's count of requests that found its limit reached, returned the
+    memory it held free and tried again, less those under the runtime's own workspace limits
     (0 off CUDA or without the caching allocator)."""
     if device.type != "cuda":
         return 0
-    return torch.cuda.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    now = counted(index)
+    under_own = _own.get(index, 0) + (now - _began[index] if index in _began else 0)
+    return now - under_own
 
 
 def limit_bytes(device: torch.device) -> int:

@@ -27,8 +27,9 @@ class StepStats:
     state_moved_bytes: int = 0
     # forward layers at which the host waited for the compute stream (executor Rule 10)
     paced_layers: int = 0
-    # CUDA: requests the caching allocator met only after returning the memory it held free,
-    # since the step's forward (its limit reached: near_limit.py)
+    # CUDA: requests that found the caching allocator's limit reached and were tried again
+    # after it returned the memory it held free, from the step's forward until these stats
+    # are read, less those under the runtime's own workspace limits (near_limit.py)
     allocator_retries: int = 0
     # host seconds of making the plan, on the first step that runs it (0 on later steps; a
     # plan made by plan_for() before any step is reported by the step that first runs it):

@@ -33,8 +33,10 @@ Rule 5: a managed step past the budget also tells its executor by how much, once
         boundaries missed that much real use between them, which a step later than the
         calibrating ones can meet (ResNet-101 at batch 896 passed by 120 MiB in its third
         step, claims_0495cd2.json, not in its second).
-Rule 6: every step read for Rule 4 is also read for the allocator's retries since its forward
-        (near_limit.py): a step that had one is said once per call key, held budget or not.
+Rule 6: every step with a budget on CUDA (not strict) is also read for the allocator's
+        retries from its forward to the end of its backward, less those under the runtime's
+        own workspace limits (near_limit.py): a step that had one is said once per call key,
+        held budget or not, whatever reset the peak statistic meanwhile.
 """
 
 import warnings
@@ -75,8 +77,9 @@ def reset_peak(device: torch.device) -> None:
 
 
 def retries_since_reset(device: torch.device) -> int:
-    """The allocator's retries since the latest reset on ``device`` (Rule 6; StepStats)."""
-    return allocator_retries(device) - _retries_at_reset.get(_device_key(device), 0)
+    """The allocator's retries since the latest reset on ``device`` (StepStats; none below 0
+    where the caller reset the allocator's own counts since)."""
+    return max(0, allocator_retries(device) - _retries_at_reset.get(_device_key(device), 0))
 
 
 def peak_allocated_bytes(device: torch.device) -> int | None:
@@ -127,18 +130,21 @@ class UntouchedWatch:
         A hook on each output that has a backward only sees the first gradient pass and
         queues the reading for the backward's end. The wrapper's forward has cancelled the
         watch of any earlier step (one never backpropagated is not read)."""
+        retry_budget = None if key in self.retried else budget_bytes      # said once (Rule 6)
         if key in self.passed and passed is None:
             budget_bytes = None                  # said once (Rule 4): not read for it again
-        if predicted is None and budget_bytes is None:
+        if predicted is None and budget_bytes is None and retry_budget is None:
             return
         began = (_resets.get(_device_key(device)), self._forgotten)
+        retries_began = _retries_at_reset.get(_device_key(device), 0)     # this step's (Rule 6)
         queued = []
 
         def on_gradient(grad):
             if not queued:
                 queued.append(True)
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._ended(key, device, predicted, budget_bytes, began, passed))
+                    lambda: self._ended(key, device, predicted, budget_bytes, began, passed,
+                                        retry_budget, retries_began))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 self._pending.append(tensor.register_hook(on_gradient))
@@ -160,17 +166,19 @@ class UntouchedWatch:
         self.retried.discard(key)
 
     def _ended(self, key, device: torch.device, predicted: int | None,
-               budget_bytes: int | None, began: tuple, passed) -> None:
+               budget_bytes: int | None, began: tuple, passed, retry_budget: int | None,
+               retries_began: int) -> None:
         self.cancel()
+        # Rule 6 from this step's own count: another wrapper's reset meanwhile moves no count
+        retries = max(0, allocator_retries(device) - retries_began)
+        if retries and retry_budget is not None and key not in self.retried:
+            self.retried.add(key)
+            warnings.warn(message(device, retries, retry_budget), stacklevel=1)
         if began != (_resets.get(_device_key(device)), self._forgotten):    # Rule 3
             return
         peak = peak_allocated_bytes(device)
         if peak is None:
             return
-        retries = retries_since_reset(device)
-        if retries and budget_bytes is not None and key not in self.retried:   # Rule 6
-            self.retried.add(key)
-            warnings.warn(message(device, retries, budget_bytes), stacklevel=1)
         if predicted is not None:
             self.excess[key] = peak - predicted
         if budget_bytes is None or peak <= budget_bytes:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator_cap import available as fraction_readable
+from .near_limit import own_limit_began, own_limit_ended
 
 # what the caching allocator reserves anew for a request (CUDACachingAllocator.cpp): requests
 # up to 1 MiB share 2 MiB segments; a larger one takes a 20 MiB segment below 10 MiB, else its
@@ -60,9 +61,10 @@ def grad_bytes(tensors) -> list:
 
 
 def _stats(index: int) -> tuple:
-    """(allocated, reserved) from one read of the allocator's statistics."""
+    """(allocated, reserved, retries) from one read of the allocator's statistics."""
     stats = torch.cuda.memory_stats_as_nested_dict(index)
-    return stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"]
+    return (stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"],
+            stats.get("num_alloc_retries", 0))
 
 
 _DENSE_LAYOUTS = ((torch.contiguous_format, None), (torch.channels_last, 4),
@@ -126,6 +128,7 @@ def _end(index: int) -> None:
     running = _running.pop(index, None)
     if running is not None:
         torch.cuda.set_per_process_memory_fraction(running.caller, index)
+        own_limit_ended(index)
 
 
 class WorkspaceFit:
@@ -144,6 +147,7 @@ class WorkspaceFit:
             yield
         finally:
             torch.cuda.set_per_process_memory_fraction(caller, self.index)
+            own_limit_ended(self.index)
 
     def through_backward(self, out, gradient_bytes: list) -> None:
         """Fit the workspaces of ``out``'s convolution backward too, whose results are
@@ -178,6 +182,7 @@ class WorkspaceFit:
         from what the allocator holds once they are back."""
         running = _running[self.index]
         torch.cuda.set_per_process_memory_fraction(running.caller, self.index)
+        own_limit_ended(self.index)
         try:
             yield
         finally:
@@ -200,15 +205,16 @@ class WorkspaceFit:
         budget above 1 GiB), with one small segment more there. Where more than W is cached free,
         the cache is emptied first (only its wholly free segments go back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
-        allocated, reserved = _stats(self.index)
+        allocated, reserved, retries = _stats(self.index)
         room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(output_bytes))
         if reserved - allocated > room:
             torch.cuda.empty_cache()
-            allocated, reserved = _stats(self.index)
+            allocated, reserved, retries = _stats(self.index)
         # without room, one small segment beyond the results': a kernel's own small requests
         # (at most 1 MiB, which a workspace above that never takes) may need one where the
         # small ones are full. With room they come out of it, so the budget bounds the limit.
         limit = max(allocated + room,
                     reserved + sum(segment_bytes(n) for n in output_bytes) + _SMALL_SEGMENT)
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
+        own_limit_began(self.index, retries)         # near_limit.py: not the device's limit
         return caller
