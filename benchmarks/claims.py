@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 # depth 2,804 trained one step; 2,627 is the deepest whose plan fits beside momentum
 # (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json). DenseNet-BC
 # (k=12, batch 64): 3,058 trained one step; 2,734 is the deepest whose plan fits beside momentum
-# (claim_batches.py --depth-probes, results/claim_depth_densenet_bc_64.json), but its steps
-# reach the 12 GiB cap with about 1 GiB held free by the allocator (runtime/near_limit.py):
-# 2,644 and 2,554 leave it about 0.5 and 1.0 GiB more.
+# (claim_batches.py --depth-probes, results/claim_depth_densenet_bc_64.json); none of the three
+# trains 3 steps: 2,644 and 2,554, with about 0.5 and 1.0 GiB more between plan and budget, run
+# out of memory in step 2 (results/claims_densenet_bc_2644_2554_near_limit*.json).
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
           ("resnet152_869", "resnet152", 869, None), ("densenet201_783", "densenet201", 783, None),
           ("inception_v4_450", "inception_v4", 450, None), ("vgg16_265", "vgg16", 265, None),

@@ -14,7 +14,8 @@ tries again (a retry: it synchronizes the device); when that fails too, the step
 memory, inside autograd's kernels beyond the runtime's reach (executor Rule 5). A retry is the
 warning the runtime can read: the count since the step's forward, less the retries under the
 runtime's own workspace limits (executor Rule 9), is in its stats, and the first step of a call
-that had one says so (untouched.py Rule 6).
+that had one says so (untouched.py Rule 6). Not seen: where the caller set max_split_size_mb,
+the allocator first returns cached blocks without counting a retry.
 """
 
 import torch
