@@ -140,7 +140,7 @@ class _ReturnsItsCast(nn.Module):
         return logits.view(-1, 50) if self.viewed else logits, self.other(hidden)
 
 
-def _meta_and_real(model, outside: bool = False) -> list:
+def _meta_and_real(model, outside: bool = False, policy=sn.planner.Policy.LIVENESS) -> list:
     """The plans of ``model``'s graph traced on the meta device (as sn.plan traces it) and of the
     one traced from real CPU tensors under CPU autocast, where a cast is a tensor of its own."""
     torch.manual_seed(0)
@@ -151,7 +151,7 @@ def _meta_and_real(model, outside: bool = False) -> list:
     plans = []
     for graph in (meta, real):
         graph.outside_gradients = outside
-        plans.append(sn.planner.plan_graph(graph, sn.planner.Policy.LIVENESS, None,
+        plans.append(sn.planner.plan_graph(graph, policy, None,
                                            sn.planner.Strategy.COST_AWARE, "device",
                                            sn.planner.H200))
     return plans
@@ -173,6 +173,31 @@ def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast(viewed):
     ids = torch.randint(0, 50, (4, 8), device="meta")
     assert sn.plan(_CastsItsLogits(viewed), (ids, ids), "liveness", autocast=torch.bfloat16,
                    device_type="cpu").peak_bytes == meta.peak_bytes
+
+
+def test_every_policy_plans_hf_gpt2s_cast_as_the_step_runs_it():
+    """A cast Rule 7 made an output may be an intermediate of the step (HF's float32 copy of
+    the logits, which its loss reads): there a recomputing policy replays it from the bf16
+    logits, which then live into backward. Made a checkpoint for being an output, the meta plan
+    held them a step less: GPT-2's first backward step was planned a bf16 logits below the
+    real one under "recompute" and "superneurons"."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16,
+                                     vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (2, 16))
+    call = {"input_ids": ids, "labels": ids, "use_cache": False}
+    state = ("cpu", torch.bfloat16)
+    meta = capture(model, (), state, {k: v.to("meta") if torch.is_tensor(v) else v
+                                      for k, v in call.items()}, slice_loss=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = capture(model, (), state, dict(call), slice_loss=True)
+    assert meta.cast_from and not real.cast_from
+    for policy in ("recompute", "superneurons", "offload", "liveness", "baseline"):
+        planned = [[s.live_bytes for s in sn.planner.plan_graph(graph, policy).steps]
+                   for graph in (meta, real)]
+        assert planned[0] == planned[1], policy
 
 
 @pytest.mark.parametrize("viewed", [False, True])

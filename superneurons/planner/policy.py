@@ -138,7 +138,10 @@ def route_cuts(graph: LayerGraph, order: list) -> set:
 
 def _recomputable(graph: LayerGraph, order: list, keep: set | None) -> set:
     pos = {layer: p for p, layer in enumerate(order)}
-    outputs = set(graph.output_values)
+    # a cast capture Rule 7 made an output may be the step's intermediate (HF's float32 copy of
+    # the logits, read by the loss): recomputable as there, or the plan would hold its input a
+    # step less than the step does
+    outputs = set(graph.output_values) - set(graph.cast_from)
     candidates = set()
     last_writer = {}
     for layer in graph.layers:
