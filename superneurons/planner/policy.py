@@ -9,7 +9,8 @@ Rule 3: a value a segment hands to another segment makes its producer a checkpoi
 Rule 4: a layer writing in place into a storage that its own segment did not create is not
         recomputable (the replay would write twice); nor is a layer reading a storage that a later
         layer overwrites in place (the replay would read the new contents).
-Rule 5: the layers that produce the model's outputs are checkpoints (the loss reads them).
+Rule 5: the layers that produce the model's outputs are checkpoints (the loss reads them), but
+        for a cast capture Rule 7 made an output (it may be the step's intermediate).
 Rule 7: a value that a layer outside its segment saves is replayed at that layer's backward, on top
         of that layer's own working set. Where that replay would exceed l_peak and the value is
         smaller than what the replay holds (the segment's inputs and what it makes), its producer
