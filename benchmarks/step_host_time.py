@@ -11,6 +11,7 @@ where the managed step spends its host time (cProfile, superneurons' own functio
 own time).
 
     python benchmarks/step_host_time.py OUT_DIR [--tag NAME] [--profile]
+        [--network resnet|gpt2] [--bf16]
         (CPU; writes OUT_DIR/step_host_time[_NAME].json)
 """
 
@@ -62,7 +63,22 @@ def narrow_resnet50() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def trainer(model, x, y):
+def tiny_gpt2() -> nn.Module:
+    """GPT-2 small's graph (12 blocks, the same operations) at width 32, 2 heads, 64
+    positions and a vocabulary of 128: its layers cost the host what GPT-2 small's do."""
+    from common import gpt2
+    return gpt2(layers=12, width=32, heads=2, positions=64, vocab=128)
+
+
+NETWORKS = {  # name: (the model, its batch, its loss from the model and the batch)
+    "resnet": (narrow_resnet50, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))),
+               lambda model, x, y: F.cross_entropy(model(x), y)),
+    "gpt2": (tiny_gpt2, lambda: (torch.randint(0, 128, (2, 64)),) * 2,
+             lambda model, x, y: model(input_ids=x, labels=y, use_cache=False).loss),
+}
+
+
+def trainer(model, x, y, loss_of, autocast):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def steps(count: int) -> float:
@@ -70,27 +86,39 @@ def trainer(model, x, y):
         began = time.perf_counter()
         for _ in range(count):
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            with torch.autocast("cpu", dtype=autocast or torch.float32,
+                                enabled=autocast is not None):
+                loss = loss_of(model, x, y)
+            loss.backward()
             optimizer.step()
         return (time.perf_counter() - began) / count
     return steps
 
 
-def measure(policy: str, toward_liveness: float, x, y, profile: bool) -> dict:
+def measure(network: str, policy: str, toward_liveness: float, profile: bool,
+            autocast=None) -> dict:
     import superneurons as sn
+    build, batch, loss_of = NETWORKS[network]
+    x, y = batch()
+    example, kwargs = (x, None) if network == "resnet" else \
+        ((), {"input_ids": x, "labels": y, "use_cache": False})
     torch.manual_seed(0)
-    plain = trainer(narrow_resnet50().train(), x, y)
-    model = narrow_resnet50().train()
-    liveness = sn.plan(model, x, policy="liveness").peak_bytes
-    floor = sn.plan(model, x, policy=policy).peak_bytes
+    plain = trainer(build().train(), x, y, loss_of, autocast)
+    model = build().train()
+
+    def peak(planned_policy: str) -> int:
+        return sn.plan(model, example, policy=planned_policy, autocast=autocast,
+                       device_type="cpu", kwargs=kwargs).peak_bytes
+    liveness, floor = peak("liveness"), peak(policy)
     budget = int(floor + toward_liveness * (liveness - floor))
     wrapped = sn.wrap(model, policy=policy, budget=budget)
-    managed = trainer(wrapped, x, y)
+    managed = trainer(wrapped, x, y, loss_of, autocast)
     plain(WARMUP), managed(WARMUP)
     rounds = [(plain(STEPS), managed(STEPS)) for _ in range(ROUNDS)]
     executor = wrapped._last[1]
     layers = executor.num_layers
-    row = {"policy": policy, "budget_toward_liveness": toward_liveness, "budget_bytes": budget,
+    row = {"network": network, "autocast": str(autocast), "policy": policy,
+           "budget_toward_liveness": toward_liveness, "budget_bytes": budget,
            "layers": layers, "recomputed_layers": executor.recomputed_layers,
            "offloaded_bytes": executor.pool.offloaded_bytes,
            "rounds_plain_ms": [p * 1e3 for p, _ in rounds],
@@ -125,17 +153,21 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--tag", default="")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--network", choices=sorted(NETWORKS), default="resnet")
+    parser.add_argument("--bf16", action="store_true", help="under CPU bf16 autocast")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    rows = [measure(policy, toward, x, y, args.profile and index == 0)
+    autocast = torch.bfloat16 if args.bf16 else None
+    rows = [measure(args.network, policy, toward, args.profile and index == 0, autocast)
             for index, (policy, toward) in enumerate(
                 (("superneurons", 0.98), ("superneurons", 0.0), ("recompute", 0.0)))]
     name = "step_host_time" + (f"_{args.tag}" if args.tag else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/step_host_time.py"] + sys.argv[1:]),
         "environment": environment(), "cpu_count": os.cpu_count(),
-        "network": "ResNet-50 shape, 16x narrower; batch 4, 16 px; one thread",
+        "network": {"resnet": "ResNet-50 shape, 16x narrower; batch 4, 16 px",
+                    "gpt2": "GPT-2 small's 12 blocks at width 32, 2 heads; batch 2 of 64 "
+                            "tokens, labels given"}[args.network] + "; one thread",
         "rounds": ROUNDS, "steps_per_round": STEPS, "rows": rows})
 
 

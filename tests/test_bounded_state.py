@@ -342,6 +342,35 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, managed.parameters()))
 
 
+def test_a_plan_chosen_to_move_nothing_is_made_again_where_the_state_would_make_it_move(
+        monkeypatch):
+    """Rule 3 for a plan whose replays were chosen so that nothing moves within its budget
+    (planner/trim.py): its peak still fits beside the optimizer's state, but its replays no
+    longer keep every checkpoint on the device there; it is made again within what is left,
+    once, and training stays exact."""
+    x, y = batch(8)
+    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    budget = floor + 9 * (liveness - floor) // 10
+    first = sn.plan(small_resnet(), x, policy="superneurons", budget=budget)
+    assert first.moves_nothing_within(budget)
+    grown = next(g for g in range(0, budget, 4096) if not first.moves_nothing_within(budget - g))
+    assert first.peak_bytes + grown <= budget        # the peak alone would not plan again
+    device = FakeDevice(monkeypatch)
+    model = small_resnet()
+    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+    wrapped = sn.wrap(managed, policy="superneurons", budget=budget)
+    executors = []
+
+    def seen(foreign, calls):
+        executors.append(wrapped._last[1])
+    losses = train_beside(device, plain, wrapped, x, y, (0, grown, grown, grown), seen)
+    assert executors[0] is not executors[1]
+    assert executors[1] is executors[2] is executors[3]
+    assert torch.equal(torch.stack(losses["plain"]), torch.stack(losses["wrapped"]))
+    assert_same_state(plain, managed)
+
+
 def test_the_error_beside_others_memory_names_the_policy_s_own_need_and_the_smallest(
         monkeypatch):
     x, y = batch(2)

@@ -1,6 +1,7 @@
 """The frozen Plan: route, per-layer costs, per-storage actions, per-step memory, peak."""
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -102,10 +103,25 @@ class Plan:
         budget = self.budget_bytes if budget is None else parse_bytes(budget)
         if budget is None:
             raise ValueError("bytes_to_move needs a budget: this plan was made without one")
-        keep = _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
-                      self.strategy, budget, list(self.segments), self.state,
+        return bytes_to_move(self._kept, budget) + self.state_bytes_moved
+
+    @cached_property
+    def _kept(self) -> "Plan":
+        """This plan's replays with every checkpoint kept on the device (its budget plays no
+        part in the bytes it counts)."""
+        return _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
+                      self.strategy, self.budget_bytes, list(self.segments), self.state,
                       self.resident_state)
-        return bytes_to_move(keep, budget) + self.state_bytes_moved
+
+    @cached_property
+    def _kept_peak_bytes(self) -> int:
+        return max((step.live_bytes for step in self._kept.steps), default=0)
+
+    def moves_nothing_within(self, budget: int) -> bool:
+        """Whether the Tensor Cache moves nothing a step to run this plan within ``budget``
+        (bytes_to_move is 0: its replays hold every checkpoint on the device; with state on the
+        host, the state still streams)."""
+        return self._kept_peak_bytes <= PLANNED_SHARE * budget
 
     def unmanaged_per_step(self) -> list:
         """Per step, the live bytes the Tensor Pool cannot move (all but its managed buffers)."""

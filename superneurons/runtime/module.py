@@ -20,7 +20,9 @@ Rule 3: a budget too small for the policy is a ValueError before the step runs, 
         smallest budget that would work. On CUDA the budget also holds what the model does not
         own, read before every step: where that grew past what a managed plan leaves (the
         optimizer's state, made by the first step), the plan is made again within what is
-        left before the step runs, or the ValueError names the budget that would hold both.
+        left before the step runs, or the ValueError names the budget that would hold both. A
+        plan whose replays were chosen to move nothing within its budget is made again too
+        where what is left would make it move data.
 Rule 4: no grad (evaluation) runs the model untouched, except with state on the host (Rule 6).
 Rule 5: a dropped plan (the least recently used past MAX_PLANS, replan(), the wrapper collected)
         gives back its executor's pool and host memory (pinned chunks) at once where no step of
@@ -235,7 +237,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
             plan, executor = plans[key]
-        if plan.peak_bytes + foreign > self.budget_bytes:                        # Rule 3
+        if plan.peak_bytes + foreign > self.budget_bytes or \
+                _moves_for(plan, self.budget_bytes - foreign):                   # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
@@ -545,6 +548,17 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             return None
         plan, executor, device, made = self._last
         return step_stats(plan, executor, device, self.budget_bytes, made)
+
+
+def _moves_for(plan, left: int) -> bool:
+    """Rule 3 for a plan whose replays were chosen so that nothing moves within its budget
+    (planner/trim.py): whether ``left`` of the budget, beside what the model does not own now,
+    makes the Tensor Cache move data. Made before the optimizer's first step, such a plan
+    fills the room its state then takes, and a few more cheap replays cost less than moving
+    what they would keep over the host link at every step."""
+    if not plan.policy.recomputes or plan.budget_bytes is None or plan.state != "device":
+        return False
+    return plan.moves_nothing_within(plan.budget_bytes) and not plan.moves_nothing_within(left)
 
 
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
