@@ -237,8 +237,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
             plan, executor = plans[key]
-        if plan.peak_bytes + foreign > self.budget_bytes or \
-                _moves_for(plan, self.budget_bytes - foreign):                   # Rule 3
+        if plan.peak_bytes + foreign > self.budget_bytes or _moves_for(          # Rule 3
+                plan, self.budget_bytes - foreign + self.budget_bytes // REPLAN_SLACK):
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
@@ -552,7 +552,9 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
 
 def _moves_for(plan, left: int) -> bool:
     """Rule 3 for a plan whose replays were chosen so that nothing moves within its budget
-    (planner/trim.py): whether ``left`` of the budget, beside what the model does not own now,
+    (planner/trim.py): whether ``left`` of the budget, beside what the model does not own now
+    and with the slack a plan made again leaves it (so that a plan made again without that
+    slack, where its policy's floor left no more, is not made again at every few kilobytes),
     makes the Tensor Cache move data. Made before the optimizer's first step, such a plan
     fills the room its state then takes, and a few more cheap replays cost less than moving
     what they would keep over the host link at every step."""
