@@ -92,6 +92,9 @@ class LayerGraph:
     # trace.py Rule 7: an output made by a cast -> the output it was cast from (the model may
     # return either)
     cast_from: dict = field(default_factory=dict)
+    # which reading of those a plan takes: the casts checkpoints, as outputs are, or replayed,
+    # as a step's intermediates are (planner/plan.py plans both)
+    replays_casts: bool = False
 
     @property
     def resident_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """The frozen Plan: route, per-layer costs, per-storage actions, per-step memory, peak."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -241,7 +242,25 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     """Plan a captured graph; ``state``: where parameters, gradients and buffers live,
     "device" or "host" (streamed to the device for each layer); ``machine``: the rates that
     weigh replays against moves (costs.Machine). With a budget, a plan that cannot fit raises
-    ValueError."""
+    ValueError.
+
+    Where capture Rule 7 could not tell which of a cast and what it cast the model returns
+    (graph.cast_from), the step may hold either: both readings are planned (policy Rule 5),
+    and the one that needs more is the plan, so that no step is planned below the step."""
+    if not graph.cast_from or graph.replays_casts:
+        return _plan_graph(graph, policy, budget, strategy, state, machine)
+    plans, refused = [], []
+    for reading in (graph, dataclasses.replace(graph, replays_casts=True)):
+        try:
+            plans.append(_plan_graph(reading, policy, budget, strategy, state, machine))
+        except BudgetError as error:
+            refused.append(error)
+    if refused:
+        raise max(refused, key=lambda error: error.peak_bytes)
+    return max(plans, key=lambda p: (p.peak_bytes, sum(s.live_bytes for s in p.steps)))
+
+
+def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> Plan:
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
     state = parse_state(state)
     order = build_route(graph)

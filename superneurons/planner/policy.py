@@ -9,8 +9,10 @@ Rule 3: a value a segment hands to another segment makes its producer a checkpoi
 Rule 4: a layer writing in place into a storage that its own segment did not create is not
         recomputable (the replay would write twice); nor is a layer reading a storage that a later
         layer overwrites in place (the replay would read the new contents).
-Rule 5: the layers that produce the model's outputs are checkpoints (the loss reads them), but
-        for a cast capture Rule 7 made an output (it may be the step's intermediate).
+Rule 5: the layers that produce the model's outputs are checkpoints (the loss reads them). A
+        cast capture Rule 7 made an output may be the step's intermediate instead (HF's float32
+        copy of the logits, which its loss reads), replayed from what it cast, which then lives
+        longer; with graph.replays_casts it is planned so (planner/plan.py plans both readings).
 Rule 7: a value that a layer outside its segment saves is replayed at that layer's backward, on top
         of that layer's own working set. Where that replay would exceed l_peak and the value is
         smaller than what the replay holds (the segment's inputs and what it makes), its producer
@@ -139,10 +141,9 @@ def route_cuts(graph: LayerGraph, order: list) -> set:
 
 def _recomputable(graph: LayerGraph, order: list, keep: set | None) -> set:
     pos = {layer: p for p, layer in enumerate(order)}
-    # a cast capture Rule 7 made an output may be the step's intermediate (HF's float32 copy of
-    # the logits, read by the loss): recomputable as there, or the plan would hold its input a
-    # step less than the step does
-    outputs = set(graph.output_values) - set(graph.cast_from)
+    outputs = set(graph.output_values)
+    if graph.replays_casts:               # Rule 5's exception: the casts as intermediates
+        outputs -= set(graph.cast_from)
     candidates = set()
     last_writer = {}
     for layer in graph.layers:
