@@ -22,6 +22,7 @@ def main():
     from common import write
     from gpt2_floor import model_and_call
     from superneurons.planner.trim import replay_work
+    from superneurons.runtime import module
     ran = next(r for r in json.load(open(RECORD))["rows"]
                if r.get("system") == "superneurons" and r.get("ratio") == 0.75)
     budget = ran["first_step"]["budget_bytes"]
@@ -30,7 +31,8 @@ def main():
     model, call = model_and_call("cpu")
     rows = []
     for made, left in (("before the optimizer's state", budget),
-                       ("beside it (module Rule 3)", budget - state - budget // 50)):
+                       ("beside it (module Rule 3)",
+                        budget - state - budget // module.REPLAN_SLACK)):
         plan = sn.plan(model, (), "superneurons", budget=left, kwargs=call,
                        autocast=torch.bfloat16)
         rows.append({"made": made, "budget_bytes": left, "peak_bytes": plan.peak_bytes,

@@ -232,6 +232,16 @@ def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape):
         assert all(m.live_bytes >= r.live_bytes for m, r in zip(planned, ran)), policy
 
 
+def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again():
+    """A plan's graph holds the reading it took; made again from it (module Rules 2 and 3
+    plan the step again from plan.graph), both readings are planned again."""
+    meta, _ = _hf_gpt2_meta_and_real()
+    first = sn.planner.plan_graph(meta, "superneurons", 473297)
+    assert first.graph.replays_casts
+    again = sn.planner.plan_graph(first.graph, "superneurons", 457585)
+    assert again.peak_bytes == sn.planner.plan_graph(meta, "superneurons", 457585).peak_bytes
+
+
 @pytest.mark.parametrize("viewed", [False, True])
 def test_a_cast_the_model_returns_alone_is_its_only_output(viewed):
     """Rule 7 leaves a cast that nothing but the output (or a view it returns) reads: it is

@@ -247,10 +247,11 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     Where capture Rule 7 could not tell which of a cast and what it cast the model returns
     (graph.cast_from), the step may hold either: both readings are planned (policy Rule 5),
     and the one that needs more is the plan, so that no step is planned below the step."""
-    if not graph.cast_from or graph.replays_casts:
+    if not graph.cast_from:
         return _plan_graph(graph, policy, budget, strategy, state, machine)
-    plans, refused = [], []
-    for reading in (graph, dataclasses.replace(graph, replays_casts=True)):
+    plans, refused = [], []      # a plan's own graph is one reading: planned again, both are
+    for replays in (False, True):
+        reading = dataclasses.replace(graph, replays_casts=replays)
         try:
             plans.append(_plan_graph(reading, policy, budget, strategy, state, machine))
         except BudgetError as error:
