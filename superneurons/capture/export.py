@@ -90,18 +90,23 @@ def module_path(node: fx.Node) -> str:
 
 def _fake_like(tensors_on, example, mode=None):
     """Export's example: real tensors pass as they are; a meta tensor stands for the device the
-    model lives on (a plan made for any device), as a fake tensor, so nothing is allocated."""
+    model lives on (a plan made for any device), as a fake tensor, so nothing is allocated. A
+    tensor passed twice (labels=input_ids) is one fake tensor, as a real one is one tensor:
+    export traces such a call otherwise than one of two tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
+    made = {}
 
     def fake(leaf):
         if not isinstance(leaf, torch.Tensor) or leaf.device.type != "meta" or \
                 tensors_on.type == "meta":
             return leaf
-        with mode:
-            out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype,
-                                      device=tensors_on)
-        return out.requires_grad_(leaf.requires_grad)
+        if id(leaf) not in made:
+            with mode:
+                out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype,
+                                          device=tensors_on)
+            made[id(leaf)] = out.requires_grad_(leaf.requires_grad)
+        return made[id(leaf)]
     return pytree.tree_map(fake, example)
 
 
