@@ -76,7 +76,7 @@ from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, RefusesDDPOverHostState, agreed, check_group
 from .executor import Executor
-from .room import budget_left, foreign_bytes, reads_device_memory
+from .room import budget_left, foreign_bytes, managed_holds, reads_device_memory
 from .calls import call_key, compute_device, moved_to, on_meta
 from .checkpoint_keys import own_keys, wrapper_keys
 from .allocator_cap import available as cap_available, capped
@@ -237,8 +237,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
             plan, executor = plans[key]
-        if plan.peak_bytes + foreign > self.budget_bytes or _moves_for(          # Rule 3
-                plan, self.budget_bytes - foreign + self.budget_bytes // REPLAN_SLACK):
+        if not managed_holds(plan, self.budget_bytes, foreign,                  # Rule 3
+                             self.budget_bytes // REPLAN_SLACK):
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
@@ -548,19 +548,6 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             return None
         plan, executor, device, made = self._last
         return step_stats(plan, executor, device, self.budget_bytes, made)
-
-
-def _moves_for(plan, left: int) -> bool:
-    """Rule 3 for a plan whose replays were chosen so that nothing moves within its budget
-    (planner/trim.py): whether ``left`` of the budget, beside what the model does not own now
-    and with the slack a plan made again leaves it (so that a plan made again without that
-    slack, where its policy's floor left no more, is not made again at every few kilobytes),
-    makes the Tensor Cache move data. Made before the optimizer's first step, such a plan
-    fills the room its state then takes, and a few more cheap replays cost less than moving
-    what they would keep over the host link at every step."""
-    if not plan.policy.recomputes or plan.budget_bytes is None or plan.state != "device":
-        return False
-    return plan.moves_nothing_within(plan.budget_bytes) and not plan.moves_nothing_within(left)
 
 
 def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:

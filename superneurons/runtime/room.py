@@ -49,6 +49,23 @@ def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bo
     return plan_peak_bytes + foreign <= budget_bytes
 
 
+def managed_holds(plan, budget_bytes: int, foreign: int, slack: int) -> bool:
+    """module Rule 3 at every step: whether a managed ``plan`` still fits the budget beside the
+    ``foreign`` bytes the model does not own now. Its peak must fit; and a plan whose replays
+    were chosen so that nothing moves within its budget (planner/trim.py) must still move
+    nothing in what is left, give or take the ``slack`` a plan made again leaves (so that one
+    made again without it, at its policy's floor, is not made again every few kilobytes).
+    Made before the optimizer's first step, such a plan fills the room the state then takes,
+    and a few more cheap replays cost less than moving what they would keep over the host
+    link at every step."""
+    if plan.peak_bytes + foreign > budget_bytes:
+        return False
+    if not plan.policy.recomputes or plan.budget_bytes is None or plan.state != "device":
+        return True
+    return not plan.moves_nothing_within(plan.budget_bytes) or \
+        plan.moves_nothing_within(budget_bytes - foreign + slack)
+
+
 def budget_left(budget: int, others: int, device) -> int:
     """What a budget leaves the model once ``others`` bytes on the device are not its own."""
     if others >= budget:
