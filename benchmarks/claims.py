@@ -4,7 +4,8 @@ with momentum (optimizer state allocated from the second step) in a fresh proces
 bytes moved, and whether the peak held the budget (a claim trains when its 3 steps ran within
 the cap; cuDNN's workspaces may take what the cap leaves above the budget).
 
-    python benchmarks/claims.py OUT_DIR [--parallel N] [--only NAME ...] [--rounds R] [--steps S] [--extra NETWORK:BATCH ...]
+    python benchmarks/claims.py OUT_DIR [--parallel N] [--only NAME ...] [--rounds R] [--steps S]
+        [--extra NETWORK:BATCH[:SIZE] ...]
 
 Writes OUT_DIR/claims.json. With --parallel the claims run N processes at a time on the one
 GPU, each capped at 12 GiB (their pinned host memory adds up: 4 at a time ran the 125 GiB
@@ -137,17 +138,22 @@ def main():
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--extra", nargs="*", default=[], metavar="NETWORK:BATCH",
-                        help="more claims to try, e.g. inception_v4:450")
+    parser.add_argument("--extra", nargs="*", default=[], metavar="NETWORK:BATCH[:SIZE]",
+                        help="more claims to try, e.g. inception_v4:450, densenet_bc:64:2000 "
+                             "(DenseNet-BC's depth) or resnet:16:865 (the ResNet's stage-3 "
+                             "blocks)")
     args = parser.parse_args()
     for extra in args.extra:
-        if extra.split(":")[0] in ("resnet", "densenet_bc") or extra.count(":") != 1:
-            parser.error(f"--extra takes a zoo network and a batch (inception_v4:450), not "
-                         f"{extra!r}; depth claims are CLAIMS entries")
+        sized = extra.split(":")[0] in ("resnet", "densenet_bc")
+        if extra.count(":") != 1 + sized:
+            parser.error(f"--extra takes a zoo network and a batch (inception_v4:450), or "
+                         f"resnet or densenet_bc, a batch and a size (densenet_bc:64:2000), "
+                         f"not {extra!r}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write
     claims = [c for c in CLAIMS if args.only is None or c[0] in args.only] + [
-        (extra.replace(":", "_"), extra.split(":")[0], int(extra.split(":")[1]), None)
+        (extra.replace(":", "_"), extra.split(":")[0], int(extra.split(":")[1]),
+         int(extra.split(":")[2]) if extra.count(":") == 2 else None)
         for extra in args.extra]
     jobs = [(claim, r) for r in range(args.rounds) for claim in claims]
     rows = []

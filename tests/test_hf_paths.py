@@ -295,6 +295,10 @@ def test_a_mask_the_model_builds_itself_is_refused_naming_the_part_to_wrap():
                                                      wrapped[part].values()))
 
 
+# transformers before 5.24 reads OPT's mask values to skip it, which capture refuses (seen on
+# the device machine, whose transformers is older)
+@pytest.mark.skipif(tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24),
+                    reason="transformers < 5.24: OPT's forward branches on its mask")
 def test_a_tensor_passed_twice_on_the_meta_device_is_captured_as_a_real_one_is():
     """export.py _fake_like: labels=input_ids on the meta device is one fake tensor, as a real
     tensor passed twice is one tensor; as two, export traced OPT's first layer reading the other
