@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 # depth 2,804 trained one step; 2,627 is the deepest whose plan fits beside momentum
 # (claim_batches.py --resnet-depth-batch 16, results/claim_depth_resnet_16.json). DenseNet-BC
 # (k=12, batch 64): 3,058 trained one step; 2,734 is the deepest whose plan fits beside momentum
-# (claim_batches.py --depth-probes, results/claim_depth_densenet_bc_64.json); none of the three
-# trains 3 steps: 2,644 and 2,554, with about 0.5 and 1.0 GiB more between plan and budget, run
-# out of memory in step 2 (results/claims_densenet_bc_2644_2554_near_limit*.json).
+# (claim_batches.py --depth-probes, results/claim_depth_densenet_bc_64.json), but the allocator's
+# free memory beside the Tensor Cache runs it and every depth down to 2,242 out of memory; 2,206
+# is the deepest that trains 3 steps (BENCHMARKS.md, "DenseNet-BC depths that hold").
 CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101", 896, None),
           ("resnet152_869", "resnet152", 869, None), ("densenet201_783", "densenet201", 783, None),
           ("inception_v4_450", "inception_v4", 450, None), ("vgg16_265", "vgg16", 265, None),
@@ -40,7 +40,8 @@ CLAIMS = [("resnet50_896", "resnet50", 896, None), ("resnet101_896", "resnet101"
           ("resnet_depth_2627", "resnet", 16, 865),
           ("densenet_bc_depth_2734", "densenet_bc", 64, 2734),
           ("densenet_bc_depth_2644", "densenet_bc", 64, 2644),
-          ("densenet_bc_depth_2554", "densenet_bc", 64, 2554)]
+          ("densenet_bc_depth_2554", "densenet_bc", 64, 2554),
+          ("densenet_bc_depth_2206", "densenet_bc", 64, 2206)]
 STEPS = 3
 CAP_GIB, BUDGET_GIB = 12.0, 11.5
 

@@ -4,11 +4,12 @@ The budget counts allocated bytes. The caching allocator also holds memory free 
 allocations, and with expandable segments it maps the device in pages of 20 MiB (2 MiB for
 requests of 1 MiB or less): a page that holds one live tensor stays mapped, and the rest of it
 serves only requests that fit there; a large one needs pages newly mapped, under the limit.
-Tensors made in the middle of a step and kept past it (gradients, an optimizer's first state)
-may pin such pages; that this is what strands the memory is not confirmed. DenseNet-BC at
-depths 2,644 and 2,554 within 11.5 GiB of a 12 GiB limit ran out of memory in the step after
-the first, every time, with 1.45-2.34 GiB held free and its plan within the budget
-(benchmarks/results/claims_densenet_bc_2644_2554_near_limit*.json).
+The Tensor Cache keeps tensors on the device while the budget has room (pool Rule 1), so the
+memory held free beside them must fit between the budget and the limit. DenseNet-BC from depth
+2,242 within 11.5 GiB of a 12 GiB limit runs out of memory so in the step after the first, its
+plan within the budget, 1.3-2.3 GiB held free in hundreds of pieces between the activations and
+the cache's tensors (gradients and momentum kept in a buffer of their own change nothing:
+BENCHMARKS.md).
 
 When a request finds the device's limit reached, the allocator returns all it holds free and
 tries again (a retry: it synchronizes the device); when that fails too, the step runs out of
