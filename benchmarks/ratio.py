@@ -47,6 +47,18 @@ GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for
 SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
 STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budget=True
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
+# untimed first steps: every system's first two (compilation, capture, pinning), and the steps
+# in which superneurons calibrates (executor Rule 4 reads the allocator at every layer, which a
+# steady step does not): with them a median of 4 steps is a first step's. At most
+# CALIBRATING_STEPS more are run.
+WARM_STEPS, CALIBRATING_STEPS = 2, 8
+
+
+def after_warm_up(seconds: list, calibrating: list) -> list:
+    """The seconds of the steps to time: those after the first WARM_STEPS and after the last
+    step that calibrated (``calibrating``: a flag per step, as long as ``seconds`` or empty)."""
+    start = max([WARM_STEPS] + [i + 1 for i, flag in enumerate(calibrating) if flag])
+    return seconds[start:]
 
 
 def build(name: str, system: str, device):
@@ -143,8 +155,13 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     gpu.share()                                      # set-up and first step beside others'
     run, step_once, cap, _ = prepare(name, dtype, system, ratio, plain_peak, device)
     seconds, first, states = [], None, []
+
+    def timed() -> list:
+        return after_warm_up(seconds, [s.get("calibrating", False) for s in states])
     try:
-        for step in range(steps + 2):                      # two warm-up steps
+        for step in range(WARM_STEPS + CALIBRATING_STEPS + steps):
+            if len(timed()) >= steps:
+                break
             if step == 1:
                 gpu.own()                            # until this process exits
             torch.cuda.synchronize()
@@ -164,10 +181,10 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         return {"ok": False, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     except (RuntimeError, ValueError) as error:
         return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-    steady = sorted(seconds[2:])
+    steady = sorted(timed()) or sorted(seconds[-steps:])    # or calibrating to the end
     samples = BATCH[name] * (SEQUENCE if name == "gpt2" else 1)
     row = {"ok": True, "per_s": samples / steady[len(steady) // 2], "first_step_s": seconds[0],
-           "step_s": seconds, "cap_bytes": cap,
+           "step_s": seconds, "timed_steps": len(timed()), "cap_bytes": cap,
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     if system == "superneurons" and run.stats is not None:

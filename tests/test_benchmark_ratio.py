@@ -124,3 +124,11 @@ def test_a_run_stops_when_the_device_rates_were_not_kept_alone(tmp_path, monkeyp
     monkeypatch.setattr(common, "run_child", measured_alone)
     assert ratio.rates_measured_alone() == {"link_bytes_per_s": 5e10}
     assert os.environ["SUPERNEURONS_CACHE_DIR"] == str(tmp_path)
+
+
+def test_steps_are_timed_after_the_warm_up_and_the_calibration():
+    seconds = [4.0, 0.4, 0.2, 0.19, 0.13, 0.13]
+    assert ratio.after_warm_up(seconds, []) == seconds[2:]                     # the peers
+    assert ratio.after_warm_up(seconds, [True] * 3 + [False] * 3) == seconds[3:]
+    assert ratio.after_warm_up(seconds, [True, False, False, True, False, False]) == seconds[4:]
+    assert ratio.after_warm_up(seconds, [True] * 6) == []
