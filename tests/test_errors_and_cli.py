@@ -122,6 +122,29 @@ def test_cli_train_shows_the_allocators_retries_where_memory_is_measured(capsys,
     assert len(row) == 1 and "3" in row[0]
 
 
+def test_cli_train_explains_running_out_of_memory_where_it_cannot_retry(capsys, monkeypatch):
+    """An out-of-memory in autograd's kernels (faked on the CPU) ends the command with the
+    allocator's peaks and the budget that leaves it their overhead, not PyTorch's trace."""
+    from superneurons.cli import train_cmd
+    from superneurons.runtime import near_limit
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def nll_loss(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.10 GiB.")
+    gib = 2**30
+    monkeypatch.setattr(train_cmd, "F", Failing())
+    monkeypatch.setattr(near_limit, "peaks", lambda device: (11 * gib, 9 * gib, 12 * gib))
+    assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "2",
+                 "--device", "cpu", "--budget", "11.5GiB"]) == 2
+    said = capsys.readouterr().err
+    assert "training step 1" in said and "Tried to allocate 1.10 GiB" in said
+    assert "lower the budget to 10.00 GiB or less" in said, said
+
+
 def test_cli_train_runs_under_bf16_autocast(capsys):
     assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "2",
                  "--device", "cpu", "--bf16"]) == 0

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import models, wrap
+from ..runtime import near_limit
 from ..units import format_bytes
 from .output import print_table
 from .plan_cmd import add_model_arguments, budget
@@ -113,10 +114,14 @@ def _train(args, progress: Progress) -> None:
     first_step_seconds = None
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            out = wrapped(x)
-        loss = F.nll_loss(out.float(), y)
-        loss.backward()
+        try:
+            with autocast:
+                out = wrapped(x)
+            loss = F.nll_loss(out.float(), y)
+            loss.backward()
+        except torch.OutOfMemoryError as error:  # in autograd's kernels: say what to change
+            raise ValueError(near_limit.out_of_memory(
+                device, step + 1, args.budget, error, *near_limit.peaks(device))) from error
         optimizer.step()
         elapsed = time.perf_counter() - start
         progress.step(loss=f"{loss.item():.3f}",

@@ -70,28 +70,52 @@ def limit_bytes(device: torch.device) -> int:
     return int(total * fraction)
 
 
+def peaks(device: torch.device) -> tuple:
+    """The step's peaks reserved and allocated on ``device`` and the allocator's limit."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    return (stats["reserved_bytes"]["all"]["peak"], stats["allocated_bytes"]["all"]["peak"],
+            limit_bytes(device))
+
+
+def advice(budget_bytes: int | None, reserved: int, allocated: int, limit: int) -> str:
+    """What to change after a step whose allocator reserved ``reserved`` bytes at its peak for
+    ``allocated`` allocated under ``limit``."""
+    # the allocator held reserved - allocated beyond the tensors at their peaks; the budget
+    # that leaves it that much below the limit (a lower bound: reserved stopped at the limit)
+    fitting = limit - (reserved - allocated)
+    if budget_bytes is None or fitting < budget_bytes:
+        return f"lower the budget to {format_bytes(fitting)} or less, or raise the limit"
+    return ("memory beside the plan (the loss, other tensors, another wrapper) took the room: "
+            "free it, or lower the budget")
+
+
 def message(device: torch.device, retries: int, budget_bytes: int) -> str:
     """What to tell the user of a step on ``device`` with ``retries`` retries, from the step's
     peaks."""
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    return said(device, retries, budget_bytes, stats["reserved_bytes"]["all"]["peak"],
-                stats["allocated_bytes"]["all"]["peak"], limit_bytes(device))
+    return said(device, retries, budget_bytes, *peaks(device))
 
 
 def said(device, retries: int, budget_bytes: int, reserved: int, allocated: int,
          limit: int) -> str:
     """message() from the step's peaks reserved and allocated and the allocator's limit."""
-    # the allocator held reserved - allocated beyond the tensors at their peaks; the budget
-    # that leaves it that much below the limit (a lower bound: reserved stopped at the limit)
-    fitting = limit - (reserved - allocated)
-    advice = (f"lower the budget to {format_bytes(fitting)} or less, or raise the limit"
-              if fitting < budget_bytes else
-              "memory beside the plan (the loss, other tensors, another wrapper) took the "
-              "room: free it, or lower the budget")
     return (f"superneurons: in a training step on {device} the caching allocator reached its "
             f"limit of {format_bytes(limit)} {retries} time(s) and returned the memory it held "
             f"free to go on (at their peaks it reserved {format_bytes(reserved)} for "
             f"{format_bytes(allocated)} allocated; the budget is "
             f"{format_bytes(budget_bytes)}). Memory it holds but cannot reuse (fragmentation) "
-            f"brought the step close to running out of memory, and a later step may: {advice}")
+            f"brought the step close to running out of memory, and a later step may: "
+            f"{advice(budget_bytes, reserved, allocated, limit)}")
 
+
+def out_of_memory(device, step: int, budget_bytes: int | None, error: Exception, reserved: int,
+                  allocated: int, limit: int) -> str:
+    """What to tell the user of training step ``step`` that ran out of memory where the runtime
+    cannot retry (autograd's kernels: executor Rule 5), from its peaks (peaks())."""
+    said_by_torch = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    budget = f"the budget is {format_bytes(budget_bytes)}" if budget_bytes else "no budget"
+    return (f"training step {step} on {device} ran out of memory in PyTorch's own kernels, "
+            f"where the runtime cannot retry ({said_by_torch}). At the step's peaks the caching "
+            f"allocator reserved {format_bytes(reserved)} for {format_bytes(allocated)} "
+            f"allocated, under its limit of {format_bytes(limit)}; {budget}. Memory it held "
+            f"but could not reuse (fragmentation) is the likely cause: "
+            f"{advice(budget_bytes, reserved, allocated, limit)}.")
