@@ -11,7 +11,7 @@ from torch import nn
 
 import superneurons as sn
 from superneurons.runtime import module, untouched
-from superneurons.runtime.near_limit import said
+from superneurons.runtime.near_limit import advice, said
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -172,3 +172,12 @@ def test_on_cuda_a_real_retry_is_counted_and_said(expandable):
         torch.cuda.set_per_process_memory_fraction(before, 0)
         torch.cuda.empty_cache()
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
+def test_the_advice_names_a_budget_that_leaves_the_allocator_its_overhead():
+    """near_limit.advice: the limit less what the allocator held beyond the tensors; where the
+    budget is below that already, the room went to memory beside the plan."""
+    gib = 2**30
+    assert "lower the budget to 10.00 GiB" in advice(int(11.5 * gib), 11 * gib, 9 * gib, 12 * gib)
+    assert "give a budget of 10.00 GiB" in advice(None, 11 * gib, 9 * gib, 12 * gib)
+    assert "memory beside the plan" in advice(5 * gib, 11 * gib, 9 * gib, 12 * gib)

@@ -17,7 +17,8 @@ memory, inside autograd's kernels beyond the runtime's reach (executor Rule 5). 
 warning the runtime can read: the count since the step's forward, less the retries under the
 runtime's own workspace limits (executor Rule 9), is in its stats, and the first step of a call
 that had one says so (untouched.py Rule 6). Not seen: where the caller set max_split_size_mb,
-the allocator first returns cached blocks without counting a retry.
+the allocator first returns cached blocks without counting a retry. After a step that did run
+out of memory there, `superneurons train` gives the same advice (out_of_memory()).
 """
 
 import torch
@@ -83,7 +84,9 @@ def advice(budget_bytes: int | None, reserved: int, allocated: int, limit: int) 
     # the allocator held reserved - allocated beyond the tensors at their peaks; the budget
     # that leaves it that much below the limit (a lower bound: reserved stopped at the limit)
     fitting = limit - (reserved - allocated)
-    if budget_bytes is None or fitting < budget_bytes:
+    if budget_bytes is None:
+        return f"give a budget of {format_bytes(fitting)} or less, or raise the limit"
+    if fitting < budget_bytes:
         return f"lower the budget to {format_bytes(fitting)} or less, or raise the limit"
     return ("memory beside the plan (the loss, other tensors, another wrapper) took the room: "
             "free it, or lower the budget")
