@@ -1,5 +1,7 @@
 """Budgets: errors before the step, the untouched fast path, auto, and the pool's LRU."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -531,3 +533,78 @@ def test_a_budget_error_names_liveness_where_it_needs_less_than_the_policys_floo
     with pytest.raises(BudgetError, match="Use policy 'liveness', which fits") as error:
         sn.plan(model, (), "superneurons", (kept + floor) // 2, kwargs=kwargs, state="host")
     assert error.value.needed_bytes == kept
+
+
+class _SlowCopiesBothWays(_SlowCopies):
+    def to_device(self, host_bytes, after=None):
+        self.back_after = after
+        event = _Event()
+        self.events.append(event)
+        return host_bytes.clone(), event
+
+    def ready(self, device_bytes, event):
+        pass
+
+
+def test_prefetches_give_way_to_a_step_with_less_room():
+    """Pool Rule 2: autograd may reach a step with less room after a later step prefetched
+    for the room it had; the prefetches needed last leave first, the one needed now stays, and
+    each keeps its copy's event (the next prefetch of it, and its host region, wait for it)."""
+    room = {"bytes": 20_000}
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: room["bytes"])
+    pool.mover = _SlowCopiesBothWays()
+    entries = [pool.add(key, torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+               for key in "abc"]
+    for entry, need in zip(entries, (12, 13, 14)):
+        entry.need_steps = [need]
+    pool.make_room(step=1, limit=0, forward=True)
+    for event in pool.mover.events:
+        event.done = True
+    pool.prefetch_ahead(step=11)             # with room for all three
+    assert all(e.state is State.TO_DEVICE for e in entries) and pool.device_bytes == 12_000
+    a, b, c = entries
+    room["bytes"] = 8000
+    pool.make_room(step=12, forward=False)   # a step with less room: c, needed last, leaves
+    assert c.state is State.TO_HOST and c.event is not None and c.device is None
+    assert a.state is b.state is State.TO_DEVICE and pool.device_bytes == 8000
+    room["bytes"] = 0
+    pool.make_room(step=12, forward=False)   # a, needed now, stays
+    assert a.state is State.TO_DEVICE and b.state is State.TO_HOST
+    copied = c.event
+    pool.fetch(c, step=14)                   # brought back behind the copy it had
+    assert pool.mover.back_after is copied and c.state is State.ON_DEVICE
+
+
+def test_a_backward_out_of_the_routes_order_holds_the_budget():
+    """HF Gemma2's MLP branches: autograd runs a step the route has later before one with
+    less room; planned at its own floor, the step's peak stays within the budget, exactly."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+        sliding_window=8, max_position_embeddings=64, use_cache=False, pad_token_id=0)
+    config._attn_implementation = "eager"
+    model = transformers.Gemma2ForCausalLM(config).train()
+    ids = torch.randint(3, 128, (2, 16))
+    call = dict(input_ids=ids, labels=ids, use_cache=False)
+    floor = sn.plan(model, (), policy="superneurons", kwargs=call).peak_bytes
+    plain = copy.deepcopy(model)
+    wrapped = sn.wrap(model, policy="superneurons", budget=floor)
+    for net in (plain, wrapped):
+        torch.manual_seed(1)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = net(**call).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+            if net is wrapped:
+                assert wrapped.stats.peak_bytes <= floor, (wrapped.stats.peak_bytes, floor)
+        if net is plain:
+            expected = losses
+    assert torch.equal(torch.stack(expected), torch.stack(losses))
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
+                                                 model.state_dict().values()))

@@ -9,7 +9,9 @@ Rule 1: a tensor leaves the device only when the budget needs the room (now, or 
         least recently used first; tensors still to be read in forward, or read by the layer
         now running, are locked.
 Rule 2: in backward, tensors come back ahead of need, in the order the route will read them, as
-        far as the budget has room; a tensor needed now and not there is a cache miss.
+        far as the budget has room; a tensor needed now and not there is a cache miss. Where
+        autograd reaches a step with less room before the steps the route has first (branches),
+        the prefetches not needed yet give way, those needed last first.
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
         that step needs; on CUDA, plus the calibrated excess (executor Rule 4), and while
         calibrating less what is really allocated outside the pool, if more. In
@@ -123,7 +125,26 @@ class TensorPool:
             if key in self.locked or (forward and entry.last_forward_step >= step):
                 continue
             in_flight += self._offload(entry)
+        if self.device_bytes - in_flight > limit:
+            self._give_way(step, limit + in_flight)
         self._drain(limit)
+
+    def _give_way(self, step: int, limit: int) -> None:
+        """Rule 2's prefetches give way to a step whose room is smaller than the room they were
+        started in (autograd ran a branch's backward before the route's order has it), those
+        needed last first; one needed now stays. Their host copies are still valid: the copy
+        back waited for the copy out, so its event stands for both (a prefetch made again, or
+        the host region's reuse, waits for it)."""
+        ahead = sorted((e for e in self.entries.values()
+                        if e.state is State.TO_DEVICE and e.key not in self.locked
+                        and e.next_need(step) > step), key=lambda e: -e.next_need(step))
+        for entry in ahead:
+            if self.device_bytes <= limit:
+                break
+            self._hold(-entry.footprint, -entry.nbytes)     # mover Rule 2: freed unread
+            entry.device = None
+            entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
+            self._waiting = None
 
     def over(self, limit: int) -> bool:
         """Whether make_room with this ``limit`` may move data: the pool holds more than it,
