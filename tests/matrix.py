@@ -355,6 +355,9 @@ def _compare(build, policy, outcome, steps, optimizer, budget, seed, state="devi
             break
     if len(expected.losses) != len(got.losses):
         problems.append(f"{len(expected.losses)} plain losses, {len(got.losses)} wrapped")
+    peak = (outcome.stats or {}).get("peak_bytes")
+    if outcome.budget is not None and peak is not None and peak > outcome.budget:
+        problems.append(f"the last step's peak, {peak} bytes, passed the budget")
 
     managed = snapshot(model)
     outer = wrapped.state_dict()
