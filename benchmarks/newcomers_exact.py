@@ -228,7 +228,9 @@ def compare(models: dict, untouched: bool = False, fit=None, offload_moving: boo
                                                   managed.state_dict().values()))
             stats = wrapped.stats
             rows.append({"model": name, "policy": policy, "budget_bytes": budget,
-                         "bit_identical": same, "offloaded_bytes": stats.offloaded_bytes,
+                         "bit_identical": same, "peak_bytes": stats.peak_bytes,
+                         "budget_held": budget is None or stats.peak_bytes <= budget,
+                         "offloaded_bytes": stats.offloaded_bytes,
                          "recomputed_layers": stats.recomputed_layers,
                          "step_policies": policies})
             if fit is not None:
