@@ -127,3 +127,18 @@ def test_a_value_read_in_the_forward_is_refused_naming_where_and_no_batch_norm()
     with pytest.raises(ValueError, match="test_bad_input.py") as error:
         sn.wrap(_Branching(), policy="recompute")(torch.randn(2, 4))
     assert "BatchNorm" not in str(error.value)           # it has none
+
+
+def test_offload_on_a_model_without_convolutions_says_it_moves_nothing():
+    """Policy 'offload' moves convolution outputs (the paper's); on a model with none it would
+    run as liveness without a word: it warns, naming the policy that moves what it keeps."""
+    import warnings
+
+    import superneurons as sn
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match="no convolution.*'superneurons'"):
+        sn.plan(mlp, torch.randn(4, 8), policy="offload")
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sn.plan(conv, torch.randn(2, 3, 8, 8), policy="offload")

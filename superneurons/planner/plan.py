@@ -1,12 +1,13 @@
 """The frozen Plan: route, per-layer costs, per-storage actions, per-step memory, peak."""
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
-from ..capture import LayerGraph, capture
+from ..capture import Kind, LayerGraph, capture
 from ..capture.hf import packed_positions, without_full_mask
 from ..units import format_bytes, parse_bytes
 from .costs import H200, LayerCosts, Machine, layer_costs
@@ -264,6 +265,11 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
 def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> Plan:
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
     state = parse_state(state)
+    if policy is Policy.OFFLOAD and not any(layer.kind is Kind.CONV for layer in graph.layers):
+        warnings.warn("policy 'offload' moves convolution outputs to host memory, as the paper's "
+                      "does, and this model has no convolution: it runs as 'liveness'. Policy "
+                      "'superneurons' offloads what it keeps and recomputes the rest.",
+                      stacklevel=2)
     order = build_route(graph)
     timeline = build_timeline(graph, order)
     costs = layer_costs(graph, machine)
