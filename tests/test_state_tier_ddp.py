@@ -6,6 +6,7 @@ Each rank builds its model from its own seed (so the broadcast from rank 0 matte
 under plain DDP and then wrapped, on its own data, and compares losses, parameters, gradients,
 buffers and optimizer state with torch.equal; the ranks write what differed."""
 
+import gc
 import os
 import tempfile
 
@@ -158,7 +159,12 @@ def _rank(rank, init_file, out_dir, runs):
                                                          accumulate))
     finally:
         torch.save(found, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    # DDP's reducers (which hold Gloo work) gone and both ranks done before the group goes: a
+    # rank aborted at exit otherwise once, under load ("terminate called without an active
+    # exception"), as cli/train_cmd.py's ranks did (a known Gloo teardown race)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _refusal(make) -> str:
