@@ -7,12 +7,12 @@ from functools import cached_property
 
 import torch
 
-from ..capture import Kind, LayerGraph, capture
+from ..capture import LayerGraph, capture
 from ..capture.hf import packed_positions, without_full_mask
 from ..units import format_bytes, parse_bytes
 from .costs import H200, LayerCosts, Machine, layer_costs
-from .policy import Policy, Strategy, find_segments, parse_policy, parse_strategy, \
-    route_cuts, storage_actions
+from .policy import OFFLOAD_KINDS, Policy, Strategy, find_segments, parse_policy, \
+    parse_strategy, route_cuts, storage_actions
 from .predict import SegmentNeeds, live_per_step, predict_buffers, recompute_counts
 from .route import route as build_route
 from .state import STATES, choose_resident, layer_state, state_buffers, state_bytes_moved, \
@@ -265,7 +265,8 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
 def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> Plan:
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
     state = parse_state(state)
-    if policy is Policy.OFFLOAD and not any(layer.kind is Kind.CONV for layer in graph.layers):
+    if policy is Policy.OFFLOAD and all(layer.kind not in OFFLOAD_KINDS
+                                           for layer in graph.layers):
         warnings.warn("policy 'offload' moves convolution outputs to host memory, as the paper's "
                       "does, and this model has no convolution: it runs as 'liveness'. Policy "
                       "'superneurons' offloads what it keeps and recomputes the rest.",
