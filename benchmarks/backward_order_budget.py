@@ -10,7 +10,8 @@ peak of every step against the budget.
 - timm nfnet_l0 at 64 px (a downsampling shortcut beside the main branch), superneurons at its
   own floor.
 
-    python benchmarks/backward_order_budget.py OUT_DIR      (CPU; OUT_DIR/backward_order_budget.json)
+    python benchmarks/backward_order_budget.py OUT_DIR
+        (CPU; writes OUT_DIR/backward_order_budget.json)
 """
 
 import os

@@ -47,18 +47,20 @@ GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for
 SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
 STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budget=True
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
-# untimed first steps: every system's first two (compilation, capture, pinning), and the steps
-# in which superneurons calibrates (executor Rule 4 reads the allocator at every layer, which a
-# steady step does not): with them a median of 4 steps is a first step's. At most
+# untimed first steps: every system's first two (compilation, capture, pinning), and the first
+# steps in which superneurons calibrates (executor Rule 4 reads the allocator at every layer,
+# which a steady step does not): with them a median of 4 steps is a first step's. A calibration
+# made again later (after an out-of-memory retry) is a steady cost, and timed. At most
 # CALIBRATING_STEPS more are run.
 WARM_STEPS, CALIBRATING_STEPS = 2, 8
 
 
 def after_warm_up(seconds: list, calibrating: list) -> list:
-    """The seconds of the steps to time: those after the first WARM_STEPS and after the last
-    step that calibrated (``calibrating``: a flag per step, as long as ``seconds`` or empty)."""
-    start = max([WARM_STEPS] + [i + 1 for i, flag in enumerate(calibrating) if flag])
-    return seconds[start:]
+    """The seconds of the steps to time: those after the first WARM_STEPS and after the first
+    run of steps that calibrated (``calibrating``: a flag per step, as long as ``seconds`` or
+    empty)."""
+    first_run = next((i for i, flag in enumerate(calibrating) if not flag), len(calibrating))
+    return seconds[max(WARM_STEPS, first_run):]
 
 
 def build(name: str, system: str, device):

@@ -1,11 +1,11 @@
 """ratio.py's records timed again from their own step times: the median of the steps after the
-warm-up and after the last step in which superneurons calibrated (ratio.after_warm_up), for
+warm-up and after the first steps in which superneurons calibrated (ratio.after_warm_up), for
 records made before ratio.py timed so.
 
     python benchmarks/ratio_after_calibration.py OUT_FILE RECORD.json [...]
 
 Writes OUT_FILE: per record and row, the throughput as recorded and as timed again, and each as
-a share of the record's first plain row. A row whose every step after the warm-up calibrated
+a share of the record's first plain row that ran. A row whose every step after the warm-up calibrated
 has none to time (null).
 """
 
@@ -33,7 +33,8 @@ def main():
     for path in paths:
         with open(path) as f:
             record = json.load(f)
-        plain = record["rows"][0]["per_s"]
+        plain = next(r["per_s"] for r in record["rows"]       # the reference: the first plain
+                     if r["system"] == "plain" and r.get("ok"))
         rows = []
         for row in record["rows"]:
             if not row.get("ok") or "step_s" not in row:

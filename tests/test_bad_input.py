@@ -131,13 +131,18 @@ def test_a_value_read_in_the_forward_is_refused_naming_where_and_no_batch_norm()
 
 def test_offload_on_a_model_without_convolutions_says_it_moves_nothing():
     """Policy 'offload' moves convolution outputs (the paper's); on a model with none it would
-    run as liveness without a word: it warns, naming the policy that moves what it keeps."""
+    run as liveness without a word: it warns, once, at the caller's line, naming the policy that
+    moves what it keeps."""
     import warnings
 
     import superneurons as sn
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    with pytest.warns(UserWarning, match="no convolution.*'superneurons'"):
+    with pytest.warns(UserWarning, match="captured as a convolution.*'superneurons'") as said:
         sn.plan(mlp, torch.randn(4, 8), policy="offload")
+    assert [w.filename for w in said] == [__file__]         # once, at the caller's line
+    with pytest.warns(UserWarning, match="captured as a convolution") as said:
+        sn.wrap(mlp, policy="offload")(torch.randn(4, 8)).sum().backward()
+    assert said[0].filename == __file__
     conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -137,6 +137,7 @@ def test_cli_train_explains_running_out_of_memory_where_it_cannot_retry(capsys, 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.10 GiB.")
     gib = 2**30
     monkeypatch.setattr(train_cmd, "F", Failing())
+    monkeypatch.setattr(near_limit, "reads_allocator", lambda device: True)     # as on CUDA
     monkeypatch.setattr(near_limit, "peaks", lambda device: (11 * gib, 9 * gib, 12 * gib))
     assert main(["train", "densenet_cifar", "--depth", "16", "--batch", "4", "--steps", "2",
                  "--device", "cpu", "--budget", "11.5GiB"]) == 2

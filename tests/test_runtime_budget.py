@@ -608,3 +608,19 @@ def test_a_backward_out_of_the_routes_order_holds_the_budget():
     assert torch.equal(torch.stack(expected), torch.stack(losses))
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                                  model.state_dict().values()))
+
+
+def test_an_entry_released_unread_is_not_brought_back():
+    """Pool Rule 2's queue of host entries outlives a release (a saved tensor whose reader never
+    unpacked it): the released entry is skipped, not copied back from host memory it gave up."""
+    room = {"bytes": 0}
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: room["bytes"])
+    a, b = (pool.add(key, torch.zeros(4000, dtype=torch.uint8), last_forward_step=0)
+            for key in "ab")
+    a.need_steps, b.need_steps = [5], [6]
+    pool.make_room(step=1, limit=0, forward=True)
+    pool.prefetch_ahead(step=4)                  # no room: the queue is made, nothing moves
+    pool.release(a)
+    room["bytes"] = 100_000
+    pool.prefetch_ahead(step=4)
+    assert a.device is None and b.state is State.TO_DEVICE and pool.device_bytes == 4000

@@ -120,6 +120,8 @@ def _train(args, progress: Progress) -> None:
             loss = F.nll_loss(out.float(), y)
             loss.backward()
         except torch.OutOfMemoryError as error:  # in autograd's kernels: say what to change
+            if not near_limit.reads_allocator(device):
+                raise
             raise ValueError(near_limit.out_of_memory(
                 device, step + 1, args.budget, error, *near_limit.peaks(device))) from error
         optimizer.step()

@@ -1,6 +1,8 @@
 """The frozen Plan: route, per-layer costs, per-storage actions, per-step memory, peak."""
 
 import dataclasses
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -248,6 +250,12 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     Where capture Rule 7 could not tell which of a cast and what it cast the model returns
     (graph.cast_from), the step may hold either: both readings are planned (policy Rule 5),
     and the one that needs more is the plan, so that no step is planned below the step."""
+    if parse_policy(policy) is Policy.OFFLOAD and \
+            all(layer.kind not in OFFLOAD_KINDS for layer in graph.layers):
+        warnings.warn("policy 'offload' moves convolution outputs to host memory, as the paper's "
+                      "does, and no layer of this model was captured as a convolution: it runs "
+                      "as 'liveness'. Policy 'superneurons' offloads what it keeps and "
+                      "recomputes the rest.", stacklevel=_callers_level())
     if not graph.cast_from:
         return _plan_graph(graph, policy, budget, strategy, state, machine)
     plans, refused = [], []      # a plan's own graph is one reading: planned again, both are
@@ -262,15 +270,20 @@ def plan_graph(graph: LayerGraph, policy="superneurons", budget=None,
     return max(plans, key=lambda p: (p.peak_bytes, sum(s.live_bytes for s in p.steps)))
 
 
+def _callers_level() -> int:
+    """warnings.warn's stacklevel, for a call from the function calling this one, of the first
+    frame outside superneurons and torch: the user's line, however deep the call."""
+    outside = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               os.path.dirname(os.path.abspath(torch.__file__)))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(outside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> Plan:
     policy, strategy, budget = parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)
     state = parse_state(state)
-    if policy is Policy.OFFLOAD and all(layer.kind not in OFFLOAD_KINDS
-                                           for layer in graph.layers):
-        warnings.warn("policy 'offload' moves convolution outputs to host memory, as the paper's "
-                      "does, and this model has no convolution: it runs as 'liveness'. Policy "
-                      "'superneurons' offloads what it keeps and recomputes the rest.",
-                      stacklevel=2)
     order = build_route(graph)
     timeline = build_timeline(graph, order)
     costs = layer_costs(graph, machine)

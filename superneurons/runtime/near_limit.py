@@ -71,6 +71,11 @@ def limit_bytes(device: torch.device) -> int:
     return int(total * fraction)
 
 
+def reads_allocator(device: torch.device) -> bool:
+    """Whether ``device``'s memory comes from the CUDA caching allocator, which peaks() reads."""
+    return device.type == "cuda"
+
+
 def peaks(device: torch.device) -> tuple:
     """The step's peaks reserved and allocated on ``device`` and the allocator's limit."""
     stats = torch.cuda.memory_stats_as_nested_dict(device)
@@ -119,6 +124,5 @@ def out_of_memory(device, step: int, budget_bytes: int | None, error: Exception,
     return (f"training step {step} on {device} ran out of memory in PyTorch's own kernels, "
             f"where the runtime cannot retry ({said_by_torch}). At the step's peaks the caching "
             f"allocator reserved {format_bytes(reserved)} for {format_bytes(allocated)} "
-            f"allocated, under its limit of {format_bytes(limit)}; {budget}. Memory it held "
-            f"but could not reuse (fragmentation) is the likely cause: "
+            f"allocated, under its limit of {format_bytes(limit)}; {budget}: "
             f"{advice(budget_bytes, reserved, allocated, limit)}.")

@@ -2,16 +2,17 @@
 
 One entry per storage: every saved view of it, by any number of layers, shares the entry, so a
 tensor read by many layers (DenseNet's features) moves once. An entry is ON_DEVICE, TO_HOST
-(offload in flight), ON_HOST, or TO_DEVICE (prefetch in flight); dropped tensors are not
-entries (recomputation owns them).
+(on the host behind a copy that may still run: its offload, or a prefetch that gave way),
+ON_HOST, or TO_DEVICE (prefetch in flight); dropped tensors are not entries (recomputation owns
+them).
 
 Rule 1: a tensor leaves the device only when the budget needs the room (now, or soon: Rule 6),
         least recently used first; tensors still to be read in forward, or read by the layer
         now running, are locked.
 Rule 2: in backward, tensors come back ahead of need, in the order the route will read them, as
-        far as the budget has room; a tensor needed now and not there is a cache miss. Where
-        autograd reaches a step with less room before the steps the route has first (branches),
-        the prefetches not needed yet give way, those needed last first.
+        far as the budget has room; a tensor needed now and not there is a cache miss. Autograd
+        may reach a step with less room after a step the route has later prefetched for the
+        room it had (branches): the prefetches not needed yet then give way.
 Rule 3: the room the pool may use at a step is the budget less what the plan says the rest of
         that step needs; on CUDA, plus the calibrated excess (executor Rule 4), and while
         calibrating less what is really allocated outside the pool, if more. In
@@ -45,7 +46,7 @@ _DEVICE_PAGE = 2 << 20                       # the CUDA caching allocator's page
 
 class State(enum.Enum):
     ON_DEVICE = "on device"
-    TO_HOST = "offload in flight"
+    TO_HOST = "on host behind a copy in flight"
     ON_HOST = "on host"
     TO_DEVICE = "prefetch in flight"
 
@@ -85,6 +86,7 @@ class TensorPool:
         self.offloaded_bytes = self.prefetched_bytes = 0
         self.cache_hits = self.cache_misses = 0
         self._waiting = None                     # host entries by next need, rebuilt lazily
+        self._waiting_since = 0                  # the step _waiting was ordered from
         self.draining: deque = deque()           # (event, device bytes, footprint) in flight
         self.granule = _DEVICE_PAGE if self.mover.cuda else 1
 
@@ -132,19 +134,23 @@ class TensorPool:
     def _give_way(self, step: int, limit: int) -> None:
         """Rule 2's prefetches give way to a step whose room is smaller than the room they were
         started in (autograd ran a branch's backward before the route's order has it), those
-        needed last first; one needed now stays. Their host copies are still valid: the copy
-        back waited for the copy out, so its event stands for both (a prefetch made again, or
-        the host region's reuse, waits for it)."""
+        those whose copies are done first (the allocator reuses a block only once its copy is
+        done), then those needed last; one needed now stays. Their host copies are still valid:
+        the copy back waited for the copy out, so its event stands for both (a prefetch made
+        again, or the host region's reuse, waits for it): such an entry is TO_HOST again."""
+        def running(entry) -> bool:    # its bytes are reused only once its copy is done
+            return entry.event is not None and not entry.event.query()
         ahead = sorted((e for e in self.entries.values()
                         if e.state is State.TO_DEVICE and e.key not in self.locked
-                        and e.next_need(step) > step), key=lambda e: -e.next_need(step))
+                        and e.next_need(step) > step),
+                       key=lambda e: (running(e), -e.next_need(step)))
         for entry in ahead:
             if self.device_bytes <= limit:
                 break
             self._hold(-entry.footprint, -entry.nbytes)     # mover Rule 2: freed unread
             entry.device = None
             entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
-            self._waiting = None
+        self._waiting = None
 
     def over(self, limit: int) -> bool:
         """Whether make_room with this ``limit`` may move data: the pool holds more than it,
@@ -228,14 +234,15 @@ class TensorPool:
 
     def prefetch_ahead(self, step: int) -> None:
         """Rule 2: bring back the entries backward reads next, while the budget has room."""
-        if self._waiting is None:
+        if self._waiting is None or step < self._waiting_since:   # ordered from a later step
+            self._waiting_since = step
             self._waiting = deque(sorted(
                 (e for e in self.entries.values() if e.state in (State.ON_HOST, State.TO_HOST)),
                 key=lambda e: e.next_need(step)))
-        while self._waiting and self._waiting[0].state not in (State.ON_HOST, State.TO_HOST):
+        while self._waiting and not self._on_host(self._waiting[0]):
             self._waiting.popleft()              # fetched or released since
         for entry in self._waiting:              # nothing here changes the queue: no copy
-            if entry.state not in (State.ON_HOST, State.TO_HOST):
+            if not self._on_host(entry):
                 continue
             need = entry.next_need(step)
             if need >= 1 << 60 or self.device_bytes + entry.footprint > self.allowance(step, need):
@@ -244,6 +251,11 @@ class TensorPool:
                 self._prefetch(entry)
             except torch.OutOfMemoryError:   # ahead of need: it comes back when it is needed
                 break
+
+    def _on_host(self, entry: Entry) -> bool:
+        """Whether ``entry`` is still the pool's and on the host (or on its way there)."""
+        return entry.state in (State.ON_HOST, State.TO_HOST) and \
+            self.entries.get(entry.key) is entry
 
     def _prefetch(self, entry: Entry) -> None:
         """Start bringing ``entry`` back. Out of memory, it raises: ahead of need the pool stops
