@@ -5,8 +5,8 @@ records made before ratio.py timed so.
     python benchmarks/ratio_after_calibration.py OUT_FILE RECORD.json [...]
 
 Writes OUT_FILE: per record and row, the throughput as recorded and as timed again, and each as
-a share of the record's first plain row that ran. A row whose every step after the warm-up calibrated
-has none to time (null).
+a share of the record's first plain row that ran. A row whose every step after the warm-up
+calibrated has none to time (null).
 """
 
 import json

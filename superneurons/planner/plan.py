@@ -190,8 +190,8 @@ class Plan:
             f"; state on the host: {len(self.resident_state)} tensors resident, "
             f"{format_bytes(self.streamed_state_bytes)} streamed, "
             f"{format_bytes(self.state_bytes_moved)} moved a step")
-        return (f"Plan({self.policy}, {len(self.order)} layers, peak {format_bytes(self.peak_bytes)}"
-                f", l_peak {format_bytes(self.max_layer_bytes)}, resident "
+        return (f"Plan({self.policy}, {len(self.order)} layers, "
+                f"peak {format_bytes(self.peak_bytes)}, l_peak {format_bytes(self.max_layer_bytes)}, resident "
                 f"{format_bytes(self.resident_bytes)}{state})")
 
 
