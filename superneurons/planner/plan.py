@@ -191,8 +191,9 @@ class Plan:
             f"{format_bytes(self.streamed_state_bytes)} streamed, "
             f"{format_bytes(self.state_bytes_moved)} moved a step")
         return (f"Plan({self.policy}, {len(self.order)} layers, "
-                f"peak {format_bytes(self.peak_bytes)}, l_peak {format_bytes(self.max_layer_bytes)}, resident "
-                f"{format_bytes(self.resident_bytes)}{state})")
+                f"peak {format_bytes(self.peak_bytes)}, "
+                f"l_peak {format_bytes(self.max_layer_bytes)}, "
+                f"resident {format_bytes(self.resident_bytes)}{state})")
 
 
 def _build(graph: LayerGraph, order: list, timeline: Timeline, costs: LayerCosts, policy: Policy,

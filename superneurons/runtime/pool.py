@@ -133,11 +133,11 @@ class TensorPool:
 
     def _give_way(self, step: int, limit: int) -> None:
         """Rule 2's prefetches give way to a step whose room is smaller than the room they were
-        started in (autograd ran a branch's backward before the route's order has it), those
-        those whose copies are done first (the allocator reuses a block only once its copy is
-        done), then those needed last; one needed now stays. Their host copies are still valid:
-        the copy back waited for the copy out, so its event stands for both (a prefetch made
-        again, or the host region's reuse, waits for it): such an entry is TO_HOST again."""
+        started in (autograd ran a branch's backward before the route's order has it): those
+        whose copies are done first (the allocator reuses a block only once its copy is done),
+        then those needed last; one needed now stays. Their host copies are still valid: the
+        copy back waited for the copy out, so its event stands for both (a prefetch made again,
+        or the host region's reuse, waits for it): such an entry is TO_HOST again."""
         def running(entry) -> bool:    # its bytes are reused only once its copy is done
             return entry.event is not None and not entry.event.query()
         ahead = sorted((e for e in self.entries.values()
