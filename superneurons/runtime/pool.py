@@ -150,7 +150,7 @@ class TensorPool:
             self._hold(-entry.footprint, -entry.nbytes)     # mover Rule 2: freed unread
             entry.device = None
             entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
-        self._waiting = None
+            self._waiting = None                 # Rule 2's queue holds it no more
 
     def over(self, limit: int) -> bool:
         """Whether make_room with this ``limit`` may move data: the pool holds more than it,
