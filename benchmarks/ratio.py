@@ -55,6 +55,11 @@ CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits
 WARM_STEPS, CALIBRATING_STEPS = 2, 8
 
 
+def per_second(name: str, seconds: list) -> float:
+    """Samples a second (images, or tokens for the decoder) over the median of ``seconds``."""
+    return BATCH[name] * (SEQUENCE if name == "gpt2" else 1) / sorted(seconds)[len(seconds) // 2]
+
+
 def after_warm_up(seconds: list, calibrating: list) -> list:
     """The seconds of the steps to time: those after the first WARM_STEPS and after the first
     run of steps that calibrated (``calibrating``: a flag per step, as long as ``seconds`` or
@@ -183,9 +188,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         return {"ok": False, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     except (RuntimeError, ValueError) as error:
         return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-    steady = sorted(timed()) or sorted(seconds[-steps:])    # or calibrating to the end
-    samples = BATCH[name] * (SEQUENCE if name == "gpt2" else 1)
-    row = {"ok": True, "per_s": samples / steady[len(steady) // 2], "first_step_s": seconds[0],
+    steady = timed() or seconds[-steps:]                    # or calibrating to the end
+    row = {"ok": True, "per_s": per_second(name, steady), "first_step_s": seconds[0],
            "step_s": seconds, "timed_steps": len(timed()), "cap_bytes": cap,
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}

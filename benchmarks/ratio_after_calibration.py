@@ -13,16 +13,13 @@ import json
 import os
 import sys
 
-from ratio import BATCH, SEQUENCE, after_warm_up
+from ratio import after_warm_up, per_second
 
 
 def again(row: dict, model: str):
     flags = [step.get("calibrating", False) for step in row.get("steps", [])]
-    timed = sorted(after_warm_up(row["step_s"], flags))
-    if not timed:
-        return None, 0
-    samples = BATCH[model] * (SEQUENCE if model == "gpt2" else 1)
-    return samples / timed[len(timed) // 2], len(timed)
+    timed = after_warm_up(row["step_s"], flags)
+    return (per_second(model, timed) if timed else None), len(timed)
 
 
 def main():
