@@ -47,12 +47,13 @@ GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for
 SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
 STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budget=True
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
-# untimed first steps: every system's first two (compilation, capture, pinning), and the first
+# untimed first steps: every system's first two (compilation, capture, pinning), the first
 # steps in which superneurons calibrates (executor Rule 4 reads the allocator at every layer,
-# which a steady step does not): with them a median of 4 steps is a first step's. A calibration
-# made again later (after an out-of-memory retry) is a steady cost, and timed. At most
+# which a steady step does not: with them a median of 4 steps is a first step's), and its trial
+# of the plans that fit (module Rule 10: 11 steps of plans it may not keep). A calibration made
+# again later (after an out-of-memory retry) is a steady cost, and timed. At most
 # CALIBRATING_STEPS more are run.
-WARM_STEPS, CALIBRATING_STEPS = 2, 8
+WARM_STEPS, CALIBRATING_STEPS = 2, 16
 
 
 def per_second(name: str, seconds: list) -> float:
@@ -60,12 +61,13 @@ def per_second(name: str, seconds: list) -> float:
     return BATCH[name] * (SEQUENCE if name == "gpt2" else 1) / sorted(seconds)[len(seconds) // 2]
 
 
-def after_warm_up(seconds: list, calibrating: list) -> list:
-    """The seconds of the steps to time: those after the first WARM_STEPS and after the first
-    run of steps that calibrated (``calibrating``: a flag per step, as long as ``seconds`` or
-    empty)."""
+def after_warm_up(seconds: list, calibrating: list, trying: list = ()) -> list:
+    """The seconds of the steps to time: those after the first WARM_STEPS, after the first
+    run of steps that calibrated and after the last step of a trial (``calibrating``,
+    ``trying``: a flag per step, as long as ``seconds`` or empty)."""
     first_run = next((i for i, flag in enumerate(calibrating) if not flag), len(calibrating))
-    return seconds[max(WARM_STEPS, first_run):]
+    tried = max((i + 1 for i, flag in enumerate(trying) if flag), default=0)
+    return seconds[max(WARM_STEPS, first_run, tried):]
 
 
 def build(name: str, system: str, device):
@@ -164,7 +166,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     seconds, first, states = [], None, []
 
     def timed() -> list:
-        return after_warm_up(seconds, [s.get("calibrating", False) for s in states])
+        return after_warm_up(seconds, [s.get("calibrating", False) for s in states],
+                             [s.get("trying", False) for s in states])
     try:
         for step in range(WARM_STEPS + CALIBRATING_STEPS + steps):
             if len(timed()) >= steps:
@@ -181,7 +184,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                     first = run.stats.as_dict()
                 # per step: whether it calibrated, or ran fitted after a step past the budget
                 # (executor Rules 4 and 9: both slower), and what it moved and waited for
-                states.append({**calibration_of(run), "paced_layers": run.stats.paced_layers,
+                states.append({**calibration_of(run), "trying": run.stats.trying,
+                               "paced_layers": run.stats.paced_layers,
                                "moved_bytes": run.stats.offloaded_bytes
                                + run.stats.prefetched_bytes})
     except torch.OutOfMemoryError as error:
@@ -201,6 +205,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                    paced_layers=run.stats.paced_layers,
                    predicted_peak_bytes=run.stats.predicted_peak_bytes,
                    policy=run.stats.policy, first_step=first, steps=states,
+                   plan_trials=run.plan_trials,
                    machine={"memory_bytes_per_s": machine.memory_bytes_per_s,
                             "conv_flops_per_s": machine.conv_flops_per_s,
                             "matmul_flops_per_s": machine.matmul_flops_per_s,

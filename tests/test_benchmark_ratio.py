@@ -126,10 +126,13 @@ def test_a_run_stops_when_the_device_rates_were_not_kept_alone(tmp_path, monkeyp
     assert os.environ["SUPERNEURONS_CACHE_DIR"] == str(tmp_path)
 
 
-def test_steps_are_timed_after_the_warm_up_and_the_calibration():
+def test_steps_are_timed_after_the_warm_up_the_calibration_and_the_trial():
     seconds = [4.0, 0.4, 0.2, 0.19, 0.13, 0.13]
     assert ratio.after_warm_up(seconds, []) == seconds[2:]                     # the peers
     assert ratio.after_warm_up(seconds, [True] * 3 + [False] * 3) == seconds[3:]
     # a calibration made again later is a steady cost: timed
     assert ratio.after_warm_up(seconds, [True, True, True, False, True, False]) == seconds[3:]
     assert ratio.after_warm_up(seconds, [True] * 6) == []
+    # plans tried on the machine (module Rule 10) are not the one kept: untimed to the last
+    trying = [False, False, False, True, False, False]
+    assert ratio.after_warm_up(seconds, [True] * 3 + [False] * 3, trying) == seconds[4:]

@@ -68,6 +68,8 @@ class Plan:
     resident_state: tuple = field(default=(), repr=False)
     resident_state_bytes: int = 0
     streamed_state_bytes: int = 0
+    # other plans that fit the same budget with nothing moved, by more replay work (trim.py)
+    alternatives: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def route(self) -> list:

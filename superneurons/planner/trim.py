@@ -11,12 +11,15 @@ replays whose plan fits the budget *with nothing moved*. Two families of plans a
 - whole blocks (policy Rule 8): every block replayed, then the least useful blocks back to
   replaying only their cheap layers, then the least useful segments dropped, as above.
 
-The fitting plan with the least replay work wins. Where none fits without moving data, the Tensor
+The fitting plan with the least replay work wins; the others that fit are kept beside it
+(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none fits without moving data, the Tensor
 Cache will move what the budget forces out; then the policy's own plan and the plan replaying
 every block are weighed by replay time plus the time to move what each would move (every rise
 of its live bytes above the budget, out and back over the machine's link): replaying whole blocks keeps far more
 on the device, so it moves far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43).
 """
+
+import dataclasses
 
 from .policy import CHECKPOINT_KINDS, Policy, Strategy
 
@@ -52,6 +55,10 @@ def replay_work(plan) -> float:
     return total
 
 
+def _replays(plan) -> tuple:
+    return tuple(tuple(s.layers) for s in plan.segments)
+
+
 def _usefulness(plan, segment) -> float:
     graph = plan.graph
     inside = set(segment.layers)
@@ -72,9 +79,13 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
              _trim(plan, candidates, budget, build)]
     if segments_for is not None and cuts:
         tries.append(_whole_blocks(plan, budget, build, segments_for, cuts))
-    fitting = [t for t in tries if t is not None]
-    if fitting:
-        return min(fitting, key=replay_work)
+    fitting, seen = [], set()
+    for option in sorted((t for t in tries if t is not None), key=replay_work):
+        if _replays(option) not in seen:
+            seen.add(_replays(option))
+            fitting.append(option)
+    if fitting:      # the others are tried on the machine (runtime/trial.py)
+        return dataclasses.replace(fitting[0], alternatives=tuple(fitting[1:]))
     options = [plan]            # something must move: the Tensor Cache decides what, when
     if segments_for is not None and cuts:
         blocks = build(plan.policy, segments_for(cuts))

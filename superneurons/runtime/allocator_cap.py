@@ -31,6 +31,8 @@ import weakref
 import torch
 from torch.utils import _pytree as pytree
 
+from .room import reads_device_memory
+
 # per CUDA device index: (the caller's fraction, {hold key: the holder's fraction}); a key is
 # ("forward", a number of its own) or ("backward", the graph task's id, the cap's id)
 _held: dict = {}
@@ -47,6 +49,9 @@ def available() -> bool:
 def capped(caps: dict, device: torch.device, budget_bytes: int, forward):
     """``forward()`` and the backward of what it returns under ``budget_bytes`` on ``device``
     (module Rule 8); ``caps``: the wrapper's AllocatorCap per device, made here once."""
+    if not reads_device_memory(device):
+        raise ValueError(f"strict_budget limits CUDA's caching allocator; this step runs "
+                         f"on {device}: leave strict_budget off there")
     cap = caps.get(device)
     if cap is None:
         cap = caps[device] = AllocatorCap(device, budget_bytes)

@@ -57,6 +57,13 @@ class Calibration:
         self.left = max(0, self.left - 1)
         return self.active
 
+    def adopt(self, other: "Calibration") -> None:
+        """What ``other`` learned, as this plan's own, without reading steps (trial.py Rule 2):
+        a plan tried beside another runs in the same room beside the same excess."""
+        self.seen_excess, self.seen_at = other.seen_excess, other.seen_at
+        self.excess_bytes, self.raised = other.excess_bytes, other.raised
+        self.left = 0
+
     def again(self) -> None:
         """An out-of-memory retry: the next steps read the allocator again."""
         self.left = CALIBRATION_STEPS

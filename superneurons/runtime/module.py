@@ -54,8 +54,12 @@ Rule 9: a plan counts the caller's backward as starting from the model's loss wh
         an output from outside as well (outside.py), the next forward or plan_for warns and
         makes every plan again, counting outside gradients for every output from then on
         (wrap(..., outside_gradients=True): from the first step).
+Rule 10: once a managed plan's first steps are done (on CUDA, calibrated), the other plans that
+        fit what the budget leaves beside the calibrated excess with nothing moved run a few
+        steps each, and the fastest on the machine is kept (trial.py).
 """
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -82,10 +86,12 @@ from .checkpoint_keys import own_keys, wrapper_keys
 from .allocator_cap import available as cap_available, capped
 from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
+from .near_limit import managed_out_of_memory, untouched_out_of_memory
 from .outside import seen_bytes
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats, step_stats
 from .structure import Structure
+from .trial import PlanTrials, others_within, ready, tried_executor
 from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
 
@@ -172,9 +178,10 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         self._last = None
         self._caps = {}                # device -> AllocatorCap (Rule 8)
         self._untouched = UntouchedWatch()   # call key -> its untouched steps' margin (Rule 2)
+        self._trials = PlanTrials()                                     # Rule 10
         # Rule 5 when the wrapper is collected; the callback holds the containers, not self
         weakref.finalize(self, _drop_all, self._executors, self._fallbacks,
-                         self._retiring).atexit = False
+                         self._retiring, self._trials).atexit = False
 
     def plan_for(self, *args, **kwargs):
         """The (cached) plan for calls like ``model(*args, **kwargs)``: (plan, executor or None
@@ -291,7 +298,9 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         self._dropped[key] = None
         while len(self._dropped) > 4 * self.max_plans:
             self._dropped.popitem(last=False)
-        self._drop(self._executors.pop(key)[1])
+        dropped = self._executors.pop(key)[1]
+        self._drop(dropped)
+        self._trials.forget(key, self._drop, dropped)                   # Rule 10
         self._drop(self._fallbacks.pop(key, (None, None))[1])
         self._unreported.pop(key, None)
         self._untouched.forget(key)
@@ -464,12 +473,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             except torch.OutOfMemoryError as error:
                 if not self.strict_budget:
                     raise
-                raise RuntimeError(
-                    f"out of device memory in an untouched step under strict_budget (budget "
-                    f"{format_bytes(self.budget_bytes)}): the model's real use passed its plan "
-                    "between layers, and the allocator is limited to the budget. Raise the "
-                    "budget, or leave strict_budget off (the step may then pass the budget "
-                    "there)") from error
+                raise RuntimeError(untouched_out_of_memory(self.budget_bytes)) from error
             decides = foreign is not None and self.policy in _DECIDES_UNTOUCHED   # Rule 2
             self._untouched.watch(key, out, device,
                                   plan.peak_bytes + foreign if decides else None,
@@ -477,6 +481,14 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             return out
         if self._fallbacks.get(key, (None, None))[1] is executor:               # Rule 2
             self._untouched.warming(key)       # a managed step runs, not plan_for's look
+        elif self.budget_bytes is not None and self.state == "device" and \
+                plan.policy.recomputes:                                         # Rule 10
+            plan, executor = self._executors[key] = self._trials.step(
+                key, (plan, executor), device, ready,
+                lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state),
+                lambda p, e: tried_executor(p, e, self.budget_bytes, self.model), self._drop,
+                self._in_flight())
+            self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
             self._data_parallel.before_forward(executor.tier)
@@ -491,15 +503,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             out = self._capped(device, lambda: executor.run(flat, foreign))      # Rule 8
         except torch.OutOfMemoryError as error:
             executor.release()
-            raise RuntimeError(
-                f"out of device memory inside a superneurons step (policy {plan.policy}, budget "
-                f"{format_bytes(executor.budget_bytes)}): something outside the plan holds memory "
-                "(other tensors, another process, fragmentation). The optimizer has not "
-                "stepped (running statistics this forward updated have moved); " +
-                ("raise the budget or leave strict_budget off (it limits the allocator to the "
-                 "budget, memory it holds free included)" if self.strict_budget else
-                 "lower the budget or the batch, or set "
-                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")) from error
+            raise RuntimeError(managed_out_of_memory(plan.policy, executor.budget_bytes,
+                                                     self.strict_budget)) from error
         if self._says_passed(device):                           # untouched.py Rules 4, 5
             calibration = executor.calibration     # raised once: nothing more to tell it
             self._untouched.watch(key, out, device, None, self.budget_bytes,
@@ -513,12 +518,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
 
     def _capped(self, device: torch.device, forward):
         """``forward()`` and the backward of what it returns under the budget (Rule 8)."""
-        if not self.strict_budget:
-            return forward()
-        if not reads_device_memory(device):
-            raise ValueError(f"strict_budget limits CUDA's caching allocator; this step runs "
-                             f"on {device}: leave strict_budget off there")
-        return capped(self._caps, device, self.budget_bytes, forward)
+        return capped(self._caps, device, self.budget_bytes, forward) if self.strict_budget \
+            else forward()
 
     def no_sync(self):
         """As DistributedDataParallel.no_sync(): forwards inside it (and their backwards)
@@ -532,7 +533,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         # plans and executors hold streams, pinned memory and graphs: made again after loading
         state = self.__dict__.copy()
         for name in ("_executors", "_fallbacks", "_retiring", "_dropped", "_unreported", "_last",
-                     "_caps", "_untouched"):
+                     "_caps", "_untouched", "_trials"):
             del state[name]           # __setstate__ makes them anew (_init_plans)
         # a process group does not travel: a copy trains alone until wrapped with one again
         state["_data_parallel"] = None
@@ -547,16 +548,23 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         if self._last is None:
             return None
         plan, executor, device, made = self._last
-        return step_stats(plan, executor, device, self.budget_bytes, made)
+        stats = step_stats(plan, executor, device, self.budget_bytes, made)
+        return dataclasses.replace(stats, trying=self._trials.trying)               # Rule 10
+
+    @property
+    def plan_trials(self) -> list:
+        """Every finished trial of plans on the machine (Rule 10): each plan's replayed layers
+        and timed step seconds, and the index of the one kept."""
+        return list(self._trials.records)
 
 
-def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list) -> None:
+def _drop_all(plans: OrderedDict, fallbacks: dict, retiring: list, trials) -> None:
     """Rule 5 for a wrapper Python collects. An executor with a step in flight is left to that
     step: autograd keeps its saved-tensor hooks, the executor's own methods, so the executor
     lives as long as the step's graph, and Python frees it with the graph (its host store,
     collected then, gives its chunks back once the device has finished: host Rule 5)."""
-    for executor in [executor for _, executor in (*plans.values(), *fallbacks.values())] + \
-            retiring:
+    for executor in {id(e): e for e in [e for _, e in (*plans.values(), *fallbacks.values())]
+                     + retiring + trials.executors()}.values():
         if executor is not None and not executor.in_flight:
             executor.close()
     plans.clear()

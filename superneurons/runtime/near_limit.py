@@ -126,3 +126,25 @@ def out_of_memory(device, step: int, budget_bytes: int | None, error: Exception,
             f"allocator reserved {format_bytes(reserved)} for {format_bytes(allocated)} "
             f"allocated, under its limit of {format_bytes(limit)}; {budget}: "
             f"{advice(budget_bytes, reserved, allocated, limit)}.")
+
+
+def managed_out_of_memory(policy, budget_bytes: int, strict_budget: bool) -> str:
+    """What to tell the user of a managed step whose layer ran out of memory twice (executor
+    Rule 5)."""
+    return (f"out of device memory inside a superneurons step (policy {policy}, budget "
+            f"{format_bytes(budget_bytes)}): something outside the plan holds memory (other "
+            "tensors, another process, fragmentation). The optimizer has not stepped (running "
+            "statistics this forward updated have moved); " +
+            ("raise the budget or leave strict_budget off (it limits the allocator to the "
+             "budget, memory it holds free included)" if strict_budget else
+             "lower the budget or the batch, or set "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+
+
+def untouched_out_of_memory(budget_bytes: int) -> str:
+    """What to tell the user of an untouched step that ran out of memory under strict_budget
+    (module Rule 8)."""
+    return (f"out of device memory in an untouched step under strict_budget (budget "
+            f"{format_bytes(budget_bytes)}): the model's real use passed its plan between "
+            "layers, and the allocator is limited to the budget. Raise the budget, or leave "
+            "strict_budget off (the step may then pass the budget there)")

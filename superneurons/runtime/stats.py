@@ -41,6 +41,8 @@ class StepStats:
     planning_seconds: float = 0.0
     host_check_seconds: float = 0.0
     machine_seconds: float = 0.0
+    # the step ran a plan tried on the machine, or the chosen one while timed (module Rule 10)
+    trying: bool = False
 
     @property
     def setup_seconds(self) -> float:

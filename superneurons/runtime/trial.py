@@ -1,0 +1,199 @@
+"""The faster of the plans that fit, measured on the machine (module Rule 10).
+
+The planner picks, among the plans that fit the budget with nothing moved, the one with the
+least replay work at the machine's rates (planner/trim.py). A step's time holds more than that:
+the host's time per replayed layer, the copies the pool makes where real use passes the plan by
+the calibrated excess (and the pacing they bring, executor Rule 10), kernels slower than their
+bytes say (batch norm in bf16). So once a managed plan's first steps are done (on CUDA, its
+calibration), the other plans that fit what the budget leaves beside that excess with nothing
+moved each run a few steps, and the one whose steps took least, timed from one forward's start
+to the next, is kept; the others are dropped (module Rule 5).
+
+Rule 1: every plan is exact, so the trial changes a step's speed, never its values.
+Rule 2: a tried plan inherits the calibration of the plan it is tried against (executor Rule 4):
+        it runs in the same room beside the same excess, without the slow reading steps; a step
+        past the budget still raises its own excess (calibration.passed).
+Rule 3: a step of the wrapper in flight (gradient accumulation) at a forward of the trial ends
+        it there with the plan then running: another plan's pool would count that step's
+        tensors as another's.
+Rule 4: one trial per plan made: a plan made again (module Rule 3) is tried again.
+"""
+
+import statistics
+import time
+import weakref
+
+import torch
+
+from ..planner import plan_graph
+from .calibration import CALIBRATION_STEPS
+from .executor import Executor
+
+# timed steps per plan; a tried plan's first step runs untimed (it fills its host store), and a
+# step is timed only up to the next forward of the same plan (a switch makes the next plan's
+# executor on the host in between)
+TIMED_STEPS = 2
+# plans tried beside the one chosen: each costs TIMED_STEPS + 2 steps
+MAX_TRIED = 2
+
+
+class Clock:
+    """Marks at a forward's start: CUDA events on the current stream (a step's time on the
+    device, its idle waits for the host included), elsewhere the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start, end) -> float:
+        if self.device.type != "cuda":
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
+def replays(plan) -> tuple:
+    """What tells two plans apart: the policy and the layers each segment replays."""
+    return plan.policy, tuple(tuple(s.layers) for s in plan.segments)
+
+
+class _Trial:
+    def __init__(self, tried: list, clock):
+        self.tried = tried                    # [plan, executor or None until its turn]
+        self.clock = clock
+        # the plan of each step: the running one's steps, then each other's with a first one
+        self.schedule = [0] * (TIMED_STEPS + 1)
+        for index in range(1, len(tried)):
+            self.schedule += [index] * (TIMED_STEPS + 2)
+        self.marks: list = []                 # (plan index, mark) per step run
+
+    def running(self):
+        return self.tried[self.schedule[len(self.marks) - 1]][1] if self.marks else \
+            self.tried[0][1]
+
+    def holds(self, executor) -> bool:
+        return any(executor is e for _, e in self.tried)
+
+    def seconds(self) -> list:
+        """Per plan, its timed steps' seconds."""
+        timed = [[] for _ in self.tried]
+        for k in range(len(self.marks) - 1):
+            index, start = self.marks[k]
+            following, end = self.marks[k + 1]
+            first = k == 0 or self.marks[k - 1][0] != index
+            if following == index and (not first or index == 0):
+                timed[index].append(self.clock.seconds(start, end))
+        return timed
+
+
+class PlanTrials:
+    """Per call key, its trial in progress, or the executor a finished one kept (weakly)."""
+
+    def __init__(self, clock=Clock):
+        self.clock = clock
+        self.trials: dict = {}
+        self.settled: dict = {}
+        self.records: list = []               # every finished trial, for benchmarks and logs
+        self.trying = False                   # whether the last step was one of a trial
+
+    def step(self, key, planned, device, ready, others, make, drop, in_flight: bool):
+        """The (plan, executor) to run now for ``key``, whose own is ``planned``. ``ready(e)``:
+        whether executor e's first steps are done; ``others(plan, e)``: the plans to try
+        beside it; ``make(plan, e)``: an executor for a tried plan; ``drop(e)``: module Rule 5."""
+        self.trying = False
+        plan, executor = planned
+        trial = self.trials.get(key)
+        if trial is not None and not trial.holds(executor):      # Rule 4: made again
+            self._end(key, trial, None, drop, dropped=trial.running())
+            trial = None
+        if trial is None:
+            settled = self.settled.get(key)
+            if (settled is not None and settled() is executor) or in_flight or \
+                    not ready(executor):
+                return planned
+            tried = [p for p in others(plan, executor)
+                     if replays(p) != replays(plan)][:MAX_TRIED]
+            if not tried:
+                self.settled[key] = weakref.ref(executor)
+                return planned
+            trial = self.trials[key] = _Trial([[plan, executor]] + [[p, None] for p in tried],
+                                              self.clock(device))
+        if in_flight:                                                     # Rule 3
+            return self._end(key, trial, trial.running(), drop)
+        if len(trial.marks) == len(trial.schedule):
+            trial.marks.append((None, trial.clock.mark()))
+            seconds = trial.seconds()
+            fastest = min(range(len(trial.tried)),
+                          key=lambda i: statistics.median(seconds[i]) if seconds[i] else
+                          float("inf"))
+            self.records.append({
+                "plans": [{"replayed_layers": p.num_extra_computations,
+                           "step_seconds": s} for (p, _), s in zip(trial.tried, seconds)],
+                "kept": fastest})
+            return self._end(key, trial, trial.tried[fastest][1], drop)
+        index = trial.schedule[len(trial.marks)]
+        entry = trial.tried[index]
+        if entry[1] is None:
+            entry[1] = make(entry[0], trial.tried[0][1])
+        self.trying = True
+        trial.marks.append((index, trial.clock.mark()))
+        return tuple(entry)
+
+    def _end(self, key, trial, kept, drop, dropped=None):
+        """Keep executor ``kept`` (None: the trial's plans were made again), drop the trial's
+        others (``dropped`` already is)."""
+        del self.trials[key]
+        for _, executor in trial.tried:
+            if executor is not None and executor is not kept and executor is not dropped:
+                drop(executor)
+        if kept is None:
+            return None
+        self.settled[key] = weakref.ref(kept)
+        return tuple(next(e for e in trial.tried if e[1] is kept))
+
+    def forget(self, key, drop, dropped) -> None:
+        """``key``'s plans are dropped (module Rule 5): so are its trial's others."""
+        self.settled.pop(key, None)
+        trial = self.trials.get(key)
+        if trial is not None:
+            self._end(key, trial, None, drop, dropped)
+
+    def executors(self) -> list:
+        return [e for trial in self.trials.values() for _, e in trial.tried if e is not None]
+
+
+def ready(executor) -> bool:
+    """Whether an executor's first steps are done: where it reads the allocator, its
+    calibration (executor Rule 4) and a step that trusted it; elsewhere its first step."""
+    if not executor.reads_allocator:
+        return executor.step_id >= 1
+    calibration = executor.calibration
+    return executor.step_id > CALIBRATION_STEPS and not calibration.active and \
+        calibration.left == 0
+
+
+def others_within(plan, executor, budget_bytes: int, strategy, state: str) -> list:
+    """The plans that fit what ``budget_bytes`` leaves beside what the model does not own and
+    the calibrated excess (executor Rule 4), with nothing moved: the planner's choice there
+    first, then the others it found fitting (Plan.alternatives)."""
+    room = budget_bytes - executor.foreign_bytes - (executor.calibration.excess_bytes or 0)
+    if room <= 0:
+        return []
+    try:
+        best = plan_graph(plan.graph, plan.policy, room, strategy, state, plan.costs.machine)
+    except ValueError:            # the policy's floor does not fit there: nothing to try
+        return []
+    return [p for p in (best, *best.alternatives) if p.moves_nothing_within(room)]
+
+
+def tried_executor(plan, like, budget_bytes: int, model):
+    """An executor for a tried ``plan``, calibrated as ``like`` (Rule 2)."""
+    executor = Executor(plan, like.device, budget_bytes, model=model)
+    executor.calibration.adopt(like.calibration)
+    return executor
