@@ -152,36 +152,44 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_through_a_trial_is_plain_pytorchs(device):
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     model, x, y = resnet_and_batch()
     graph = sn.plan(model, x, policy="liveness").graph
     state = sum(p.numel() * p.element_size() for p in model.parameters())
     # between the floor and liveness; on CUDA beside the momentum the first step makes, which
     # the budget counts there (module Rule 3)
     budget = (plan_graph(graph, "superneurons").peak_bytes
-              + plan_graph(graph, "liveness").peak_bytes) // 2 + (state if device == "cuda" else 0)
+              + plan_graph(graph, "liveness").peak_bytes) // 2
+    budget += state if device == "cuda" else 0
     model, x, y = model.to(device), x.to(device), y.to(device)
-    plain, wrapped = copy.deepcopy(model), sn.wrap(copy.deepcopy(model), "superneurons", budget)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-                  for m in (plain, wrapped)]
-    first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
-    steps = first + (TIMED_STEPS + 1) + 2 * (TIMED_STEPS + 2) + 1
-    trying, executors = [], set()
-    for _ in range(steps):
-        losses = []
-        for model_, optimizer in zip((plain, wrapped), optimizers):
+
+    def train(model_, steps, each=lambda: None):
+        """Losses, and the state after (on the host): plain first, so that on CUDA its
+        tensors are gone when the wrapped model reads what it does not own."""
+        optimizer, losses = torch.optim.SGD(model_.parameters(), lr=0.1, momentum=0.9), []
+        for _ in range(steps):
             optimizer.zero_grad()
             loss = F.cross_entropy(model_(x), y)
             loss.backward()
             optimizer.step()
-            losses.append(loss.detach())
-        assert torch.equal(*losses)
+            losses.append(loss.detach().cpu())
+            each()
+        return losses, [t.cpu() for t in model_.state_dict().values()]
+    first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
+    steps = first + (TIMED_STEPS + 1) + 2 * (TIMED_STEPS + 2) + 1
+    plain = train(copy.deepcopy(model), steps)
+    wrapped = sn.wrap(model, "superneurons", budget)
+    trying, executors = [], set()
+
+    def each():
         trying.append(wrapped.stats.trying)
         executors.add(wrapped._last[1])
         assert wrapped.stats.peak_bytes <= budget
-    for a, b in zip(plain.state_dict().values(), wrapped.model.state_dict().values()):
-        assert torch.equal(a, b)
+    losses, after = train(wrapped, steps, each)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
     record, = wrapped.plan_trials
     assert len(record["plans"]) >= 2 and not any(trying[:first]) and trying[first]
     assert not trying[-1]

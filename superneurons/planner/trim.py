@@ -12,11 +12,12 @@ replays whose plan fits the budget *with nothing moved*. Two families of plans a
   replaying only their cheap layers, then the least useful segments dropped, as above.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
-(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none fits without moving data, the Tensor
-Cache will move what the budget forces out; then the policy's own plan and the plan replaying
-every block are weighed by replay time plus the time to move what each would move (every rise
-of its live bytes above the budget, out and back over the machine's link): replaying whole blocks keeps far more
-on the device, so it moves far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43).
+(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
+fits without moving data, the Tensor Cache will move what the budget forces out; then the
+policy's own plan and the plan replaying every block are weighed by replay time plus the time
+to move what each would move (every rise of its live bytes above the budget, out and back over
+the machine's link): replaying whole blocks keeps far more on the device, so it moves far less
+(ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43).
 """
 
 import dataclasses
