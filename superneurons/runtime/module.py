@@ -59,7 +59,6 @@ Rule 10: once a managed plan's first steps are done (on CUDA, calibrated), the o
         steps each, and the fastest on the machine is kept (trial.py).
 """
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -488,6 +487,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                 lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state),
                 lambda p, e: tried_executor(p, e, self.budget_bytes, self.model), self._drop,
                 self._in_flight())
+            made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6
         if self._data_parallel is not None:                             # Rule 7
@@ -548,8 +548,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         if self._last is None:
             return None
         plan, executor, device, made = self._last
-        stats = step_stats(plan, executor, device, self.budget_bytes, made)
-        return dataclasses.replace(stats, trying=self._trials.trying)               # Rule 10
+        return step_stats(plan, executor, device, self.budget_bytes, made)
 
     @property
     def plan_trials(self) -> list:
