@@ -58,7 +58,7 @@ def drive(trials, clock, planned, others, steps, in_flight_at=()):
     for step in range(steps):
         planned = trials.step("key", planned, torch.device("cpu"), lambda e: True,
                               lambda p, e: others, make, lambda e: dropped.append(e.name),
-                              step in in_flight_at)
+                              lambda: step in in_flight_at)
         clock.running = planned[1].name
         ran.append(planned[1].name)
     return ran, dropped

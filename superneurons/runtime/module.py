@@ -486,7 +486,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                 key, (plan, executor), device, ready,
                 lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state),
                 lambda p, e: tried_executor(p, e, self.budget_bytes, self.model), self._drop,
-                self._in_flight())
+                self._in_flight)
             made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6

@@ -102,10 +102,12 @@ class PlanTrials:
         self.records: list = []               # every finished trial, for benchmarks and logs
         self.trying = False                   # whether the last step was one of a trial
 
-    def step(self, key, planned, device, ready, others, make, drop, in_flight: bool):
+    def step(self, key, planned, device, ready, others, make, drop, in_flight):
         """The (plan, executor) to run now for ``key``, whose own is ``planned``. ``ready(e)``:
         whether executor e's first steps are done; ``others(plan, e)``: the plans to try
-        beside it; ``make(plan, e)``: an executor for a tried plan; ``drop(e)``: module Rule 5."""
+        beside it; ``make(plan, e)``: an executor for a tried plan; ``drop(e)``: module Rule 5;
+        ``in_flight()``: whether a step of the wrapper is (asked only while a trial may run,
+        not at every step of a settled plan)."""
         self.trying = False
         plan, executor = planned
         trial = self.trials.get(key)
@@ -114,8 +116,8 @@ class PlanTrials:
             trial = None
         if trial is None:
             settled = self.settled.get(key)
-            if (settled is not None and settled() is executor) or in_flight or \
-                    not ready(executor):
+            if (settled is not None and settled() is executor) or not ready(executor) or \
+                    in_flight():
                 return planned
             tried = [p for p in others(plan, executor)
                      if replays(p) != replays(plan)][:MAX_TRIED]
@@ -124,7 +126,7 @@ class PlanTrials:
                 return planned
             trial = self.trials[key] = _Trial([[plan, executor]] + [[p, None] for p in tried],
                                               self.clock(device))
-        if in_flight:                                                     # Rule 3
+        elif in_flight():                                                 # Rule 3
             return self._end(key, trial, trial.running(), drop)
         if len(trial.marks) == len(trial.schedule):
             trial.marks.append((None, trial.clock.mark()))
