@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import superneurons as sn
 from superneurons import models
+from superneurons.planner.costs import OFF_CUDA
 from superneurons.runtime import host, module, room, untouched
 from superneurons.runtime.executor import Executor
 
@@ -260,8 +261,8 @@ def test_optimizer_state_past_the_budget_plans_the_step_again(monkeypatch, polic
     is left, planned before it runs, and training stays exact; when that memory is gone, the
     step runs untouched again. One reading per step."""
     x, y = batch(2)
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
     assert liveness - floor > 4000
     budget = liveness + 1000
     device = FakeDevice(monkeypatch)
@@ -287,8 +288,8 @@ def test_optimizer_state_past_the_budget_plans_the_step_again(monkeypatch, polic
 
 def test_a_budget_the_optimizer_state_fills_is_an_error_before_the_step(monkeypatch):
     x, y = batch(2)
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
     device = FakeDevice(monkeypatch)
     model = small_resnet()
     wrapped = sn.wrap(model, policy="superneurons", budget=liveness)
@@ -309,10 +310,11 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
     longer fits beside it; the next step is planned again within what is left, before it runs,
     and training stays exact. Memory that goes away again does not make a third plan."""
     x, y = batch(8)
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
     budget = floor + 9 * (liveness - floor) // 10
-    first = sn.plan(small_resnet(), x, policy="superneurons", budget=budget).peak_bytes
+    first = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons",
+                    budget=budget).peak_bytes
     assert floor < first <= budget                   # fewer replays than the floor plan
     device = FakeDevice(monkeypatch)
     closed = []
@@ -349,10 +351,10 @@ def test_a_plan_chosen_to_move_nothing_is_made_again_where_the_state_would_make_
     longer keep every checkpoint on the device there; it is made again within what is left,
     once, and training stays exact."""
     x, y = batch(8)
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
     budget = floor + 9 * (liveness - floor) // 10
-    first = sn.plan(small_resnet(), x, policy="superneurons", budget=budget)
+    first = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons", budget=budget)
     assert first.moves_nothing_within(budget)
     slack = budget // module.REPLAN_SLACK            # what a plan made again leaves to grow
     grown = next(g for g in range(0, budget, 4096)
@@ -377,9 +379,9 @@ def test_a_plan_chosen_to_move_nothing_is_made_again_where_the_state_would_make_
 def test_the_error_beside_others_memory_names_the_policy_s_own_need_and_the_smallest(
         monkeypatch):
     x, y = batch(2)
-    recompute = sn.plan(small_resnet(), x, policy="recompute").peak_bytes
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
+    recompute = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="recompute").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
     assert floor < recompute
     device = FakeDevice(monkeypatch)
     wrapped = sn.wrap(small_resnet(), policy="recompute", budget=liveness)
@@ -398,8 +400,8 @@ def test_a_step_in_flight_is_not_read_as_memory_others_hold(monkeypatch):
     flight its tensors are on the device; the second call must not plan again as though they
     were another's, and training stays exact."""
     x, y = batch(8)
-    liveness = sn.plan(small_resnet(), x, policy="liveness").peak_bytes
-    floor = sn.plan(small_resnet(), x, policy="superneurons").peak_bytes
+    liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
+    floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
     budget = (floor + liveness) // 2
     device = FakeDevice(monkeypatch)
     model = small_resnet()

@@ -11,6 +11,7 @@ import torchvision
 
 import superneurons as sn
 from superneurons.planner import plan_graph
+from superneurons.planner.costs import OFF_CUDA
 from superneurons.planner.trim import replay_work
 from superneurons.runtime.calibration import Calibration
 from superneurons.runtime.trial import MAX_TRIED, TIMED_STEPS, PlanTrials
@@ -137,9 +138,9 @@ def resnet_and_batch():
 def test_alternatives_fit_with_nothing_moved_at_more_replay_work():
     model, x, _ = resnet_and_batch()
     graph = sn.plan(model, x, policy="liveness").graph
-    floor = plan_graph(graph, "superneurons").peak_bytes
-    budget = (floor + plan_graph(graph, "liveness").peak_bytes) // 2
-    chosen = plan_graph(graph, "superneurons", budget)
+    floor = plan_graph(graph, "superneurons", machine=OFF_CUDA).peak_bytes
+    budget = (floor + plan_graph(graph, "liveness", machine=OFF_CUDA).peak_bytes) // 2
+    chosen = plan_graph(graph, "superneurons", budget, machine=OFF_CUDA)
     assert chosen.alternatives
     for other in chosen.alternatives:
         assert other.moves_nothing_within(budget) and other.peak_bytes <= budget

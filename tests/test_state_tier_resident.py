@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import superneurons as sn
+from superneurons.planner.costs import OFF_CUDA
 
 plan_module = importlib.import_module("superneurons.planner.plan")   # the package names a function so
 
@@ -44,7 +45,8 @@ def _model(kind="resnet", seed=0):
 
 def _budget(kind, factor):
     """``factor`` times the policy's floor with the state on the host."""
-    return int(factor * sn.plan(_model(kind), SHAPES[kind], state="host").peak_bytes)
+    return int(factor * sn.plan(_model(kind), SHAPES[kind], state="host",
+                                machine=OFF_CUDA).peak_bytes)
 
 
 def _batch(kind, step):
@@ -117,9 +119,10 @@ def _fetches(executor) -> Counter:
 
 
 def test_room_in_the_budget_keeps_state_resident_and_moves_less():
-    tight = sn.plan(_model(), SHAPES["resnet"], budget=_budget("resnet", 1.0), state="host")
+    tight = sn.plan(_model(), SHAPES["resnet"], budget=_budget("resnet", 1.0), state="host",
+                    machine=OFF_CUDA)
     roomy_budget = _budget("resnet", 1.5)
-    roomy = sn.plan(_model(), SHAPES["resnet"], budget=roomy_budget, state="host")
+    roomy = sn.plan(_model(), SHAPES["resnet"], budget=roomy_budget, state="host", machine=OFF_CUDA)
     assert tight.resident_state == () and roomy.resident_state
     assert roomy.state_bytes_moved < tight.state_bytes_moved
 
@@ -157,14 +160,16 @@ def test_the_planned_peak_with_resident_state_stays_within_the_budget(monkeypatc
             budget = _budget(kind, factor)
             for policy in ("superneurons", "recompute", "liveness", "auto"):
                 try:
-                    plan = sn.plan(_model(kind), SHAPES[kind], policy, budget, state="host")
+                    plan = sn.plan(_model(kind), SHAPES[kind], policy, budget, state="host",
+                                   machine=OFF_CUDA)
                 except ValueError:
                     continue                        # liveness below its own peak
                 assert plan.peak_bytes <= budget
                 assert plan.resident_bytes == plan.resident_state_bytes
                 with monkeypatch.context() as patched:
                     patched.setattr(plan_module, "with_resident_state", lambda p, b: p)
-                    alone = sn.plan(_model(kind), SHAPES[kind], policy, budget, state="host")
+                    alone = sn.plan(_model(kind), SHAPES[kind], policy, budget, state="host",
+                                    machine=OFF_CUDA)
                 assert alone.resident_state == ()
                 assert [s.layers for s in alone.segments] == [s.layers for s in plan.segments]
                 assert alone.actions == plan.actions
@@ -172,8 +177,9 @@ def test_the_planned_peak_with_resident_state_stays_within_the_budget(monkeypatc
                 assert plan.resident_state_bytes <= budget - alone.peak_bytes
                 assert plan.state_bytes_moved <= alone.state_bytes_moved
     # with no budget (the policy's floor) nothing is resident
-    assert sn.plan(_model(), SHAPES["resnet"], state="host").resident_state == ()
-    plan = sn.plan(_model(), SHAPES["resnet"], budget=_budget("resnet", 1.5), state="host")
+    assert sn.plan(_model(), SHAPES["resnet"], state="host", machine=OFF_CUDA).resident_state == ()
+    plan = sn.plan(_model(), SHAPES["resnet"], budget=_budget("resnet", 1.5), state="host",
+                   machine=OFF_CUDA)
     record = plan.to_dict()
     assert record["resident_state_bytes"] == plan.resident_state_bytes > 0
     assert record["resident_state_count"] == len(plan.resident_state)

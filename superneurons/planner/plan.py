@@ -109,19 +109,23 @@ class Plan:
         budget = self.budget_bytes if budget is None else parse_bytes(budget)
         if budget is None:
             raise ValueError("bytes_to_move needs a budget: this plan was made without one")
-        return bytes_to_move(self._kept, budget) + self.state_bytes_moved
+        return bytes_to_move(self._kept_live, budget) + self.state_bytes_moved
 
     @cached_property
-    def _kept(self) -> "Plan":
-        """This plan's replays with every checkpoint kept on the device (its budget plays no
-        part in the bytes it counts)."""
-        return _build(self.graph, list(self.order), self.timeline, self.costs, Policy.RECOMPUTE,
-                      self.strategy, self.budget_bytes, list(self.segments), self.state,
-                      self.resident_state)
+    def _kept_live(self) -> list:
+        """Per step, this plan's live bytes were every checkpoint kept on the device (its budget
+        plays no part), each Tensor Pool tensor counted as the pool counts it on the machine
+        planned for (Machine.pool_bytes): the pool's entries are what it keeps."""
+        pool_bytes = self.costs.machine.pool_bytes
+        kept = [dataclasses.replace(b, nbytes=pool_bytes(b.nbytes),
+                                    intervals=((b.intervals[0][0], b.intervals[-1][1]),))
+                if b.managed else b for b in self.buffers]
+        live, _ = live_per_step(kept, len(self.steps))
+        return [nbytes + self.resident_bytes for nbytes in live]
 
     @cached_property
     def _kept_peak_bytes(self) -> int:
-        return max((step.live_bytes for step in self._kept.steps), default=0)
+        return max(self._kept_live, default=0)
 
     def moves_nothing_within(self, budget: int) -> bool:
         """Whether the Tensor Cache moves nothing a step to run this plan within ``budget``

@@ -98,12 +98,13 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
                + machine.move_seconds(option.bytes_to_move(budget)))
 
 
-def bytes_to_move(keep_plan, budget: int) -> int:
-    """What the Tensor Cache must send to the host when ``keep_plan`` (every checkpoint kept)
-    runs within ``budget``: every rise of its live bytes above the highest they reached since
-    they last fitted. Within such a stretch what went to the host waits there until backward
-    reads it, so a fall and a rise below that mark (a replay's tensors made and freed while
-    checkpoints wait on the host) move nothing new. Against what runs measured each way a
+def bytes_to_move(kept_live: list, budget: int) -> int:
+    """What the Tensor Cache must send to the host when a plan whose live bytes per step are
+    ``kept_live`` with every checkpoint kept runs within ``budget``: every rise of its live
+    bytes above the highest they reached since they last fitted. Within such a stretch what
+    went to the host waits there until backward reads it, so a fall and a rise below that mark
+    (a replay's tensors made and freed while checkpoints wait on the host) move nothing new.
+    Against what runs measured each way a
     step (half of offloaded plus prefetched), this counts closer: ResNet-152 at 869 sent 122
     GiB (counted 110 so, 227 counting every rise), DenseNet-201 at 826 sent 25 (21 against
     276), a 10,001-layer ResNet replaying whole blocks 30 (29) (claims_zoo.json,
@@ -113,8 +114,8 @@ def bytes_to_move(keep_plan, budget: int) -> int:
     (state_tier_deep_every_rise.json).
     """
     limit, moved, high = PLANNED_SHARE * budget, 0, 0
-    for step in keep_plan.steps:
-        now = max(0, step.live_bytes - limit)
+    for live in kept_live:
+        now = max(0, live - limit)
         if now == 0:
             high = 0
         elif now > high:
@@ -123,9 +124,10 @@ def bytes_to_move(keep_plan, budget: int) -> int:
     return int(moved)
 
 
-def _fits_on_device(build, segments: list, budget: int) -> bool:
-    """Whether replaying ``segments`` and keeping every checkpoint on the device fits."""
-    return build(Policy.RECOMPUTE, segments).peak_bytes <= PLANNED_SHARE * budget
+def _fits_on_device(build, policy, segments: list, budget: int) -> bool:
+    """Whether replaying ``segments`` under ``policy`` and keeping every checkpoint on the
+    device fits, the Tensor Pool's tensors counted as the pool counts them."""
+    return build(policy, segments).moves_nothing_within(budget)
 
 
 def _largest(fits, count: int) -> int | None:
@@ -147,12 +149,13 @@ def _trim(plan, segments: list, budget: int, build, policy=None):
     under ``policy`` (``plan``'s by default), or None if even all of them do not fit."""
     if not segments:
         return None
+    policy = policy or plan.policy
     by_use = sorted(segments, key=lambda s: _usefulness(plan, s))
-    dropped = _largest(lambda k: _fits_on_device(build, by_use[k:], budget), len(by_use))
+    dropped = _largest(lambda k: _fits_on_device(build, policy, by_use[k:], budget), len(by_use))
     if dropped is None:
         return None
     kept = {s.index for s in by_use[dropped:]}
-    return build(policy or plan.policy, [s for s in segments if s.index in kept])
+    return build(policy, [s for s in segments if s.index in kept])
 
 
 def _whole_blocks(plan, budget: int, build, segments_for, cuts: set):
@@ -169,8 +172,10 @@ def _whole_blocks(plan, budget: int, build, segments_for, cuts: set):
         return cuts | {l for block in blocks[:count] for l in block.layers
                        if graph.layers[l].kind in CHECKPOINT_KINDS}
 
-    cheap = _largest(lambda k: _fits_on_device(build, segments_for(keep_with_cheap(k)), budget),
-                     len(blocks))
+    def fits(count: int) -> bool:
+        return _fits_on_device(build, plan.policy, segments_for(keep_with_cheap(count)), budget)
+
+    cheap = _largest(fits, len(blocks))
     if cheap is None:
         return None
     mixed = build(Policy.RECOMPUTE, segments_for(keep_with_cheap(cheap)))

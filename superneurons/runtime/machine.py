@@ -27,7 +27,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from ..planner.costs import H200, Machine
+from ..planner.costs import OFF_CUDA, Machine
 
 __all__ = ["machine_of"]
 
@@ -48,9 +48,9 @@ _CONTEXTS_BYTES = 2 << 30
 
 def machine_of(device: torch.device) -> Machine:
     """The device's measured rates; H200's defaults off CUDA (a plan made for a CPU run
-    weighs nothing it can move)."""
+    weighs nothing it can move), with the pool counting bytes as they are."""
     if device.type != "cuda":
-        return H200
+        return OFF_CUDA
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     if key not in _MEASURED:
