@@ -13,6 +13,7 @@ import superneurons as sn
 from superneurons.planner import plan_graph
 from superneurons.planner.costs import OFF_CUDA
 from superneurons.planner.trim import replay_work
+from superneurons.runtime import executor as executor_module
 from superneurons.runtime.calibration import Calibration
 from superneurons.runtime.trial import MAX_TRIED, TIMED_STEPS, PlanTrials
 
@@ -156,6 +157,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    # convolutions fitted to the budget may get other cuDNN engines than plain's, which round
+    # differently (test_workspaces.py's xfail): this test is the trial's, whose plans fit alike
+    monkeypatch.setattr(executor_module, "fits_on", lambda device: False)
     model, x, y = resnet_and_batch()
     model, x, y = model.to(device), x.to(device), y.to(device)
     graph = sn.plan(model, x, policy="liveness").graph
