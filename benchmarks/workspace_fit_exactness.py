@@ -11,6 +11,7 @@ not own (momentum, the losses kept). Writes OUT_DIR/workspace_fit_exactness.json
 
 import argparse
 import copy
+import gc
 import os
 import sys
 
@@ -37,6 +38,8 @@ def train(run, model, x, y, steps: int, each=lambda: None) -> list:
 
 
 def case(fitted: bool, steps: int, state_budgets: float) -> dict:
+    gc.collect()           # an earlier case's wrapper (its executors hold cycles) is not foreign
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).cuda()
     x, y = torch.randn(32, 3, 64, 64).cuda(), torch.randint(0, 10, (32,)).cuda()
