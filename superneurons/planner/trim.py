@@ -104,14 +104,13 @@ def bytes_to_move(kept_live: list, budget: int) -> int:
     bytes above the highest they reached since they last fitted. Within such a stretch what
     went to the host waits there until backward reads it, so a fall and a rise below that mark
     (a replay's tensors made and freed while checkpoints wait on the host) move nothing new.
-    Against what runs measured each way a
-    step (half of offloaded plus prefetched), this counts closer: ResNet-152 at 869 sent 122
-    GiB (counted 110 so, 227 counting every rise), DenseNet-201 at 826 sent 25 (21 against
-    276), a 10,001-layer ResNet replaying whole blocks 30 (29) (claims_zoo.json,
-    state_tier_deep.json, zoo_plans.json against zoo_plans_high_water.json, where the zoo's
-    plans are otherwise unchanged). Counting every rise, that ResNet kept its floor plan, which
-    was to send 198 GiB a step to the host, and ran no step in 500 s
-    (state_tier_deep_every_rise.json).
+    Against what runs measured each way a step (half of offloaded plus prefetched), this counts
+    closer: ResNet-152 at 869 sent 122 GiB (counted 110 so, 227 counting every rise),
+    DenseNet-201 at 826 sent 25 (21 against 276), a 10,001-layer ResNet replaying whole blocks
+    30 (29) (claims_zoo.json, state_tier_deep.json, zoo_plans.json against
+    zoo_plans_high_water.json, where the zoo's plans are otherwise unchanged). Counting every
+    rise, that ResNet kept its floor plan, which was to send 198 GiB a step to the host, and ran
+    no step in 500 s (state_tier_deep_every_rise.json).
     """
     limit, moved, high = PLANNED_SHARE * budget, 0, 0
     for live in kept_live:
