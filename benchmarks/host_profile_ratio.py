@@ -3,13 +3,17 @@ steps after superneurons has timed its plans (module Rule 10), the functions wit
 of their own. The device's side is profile_ratio.py's.
 
     python benchmarks/host_profile_ratio.py OUT_DIR MODEL:DTYPE:RATIO [--steps 5] [--top 30]
+        [--gc-freeze]
 
-The cap is RATIO of the plain peak in results/ratio_MODEL_DTYPE.json. Writes
+The cap is RATIO of the plain peak in results/ratio_MODEL_DTYPE.json. With --gc-freeze, the
+steps are timed again after gc.freeze() (Python's collector then passes over every object made
+so far, the captured graphs' among them), before the profiled ones. Writes
 OUT_DIR/host_profile_ratio.json.
 """
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -25,6 +29,7 @@ def main():
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--gc-freeze", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sys.path.insert(0, HERE)
@@ -44,6 +49,15 @@ def main():
         step()
     torch.cuda.synchronize()
     unprofiled = (time.perf_counter() - began) / args.steps
+    frozen = None
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        began = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        frozen = (time.perf_counter() - began) / args.steps
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.steps):
@@ -56,6 +70,7 @@ def main():
                   reverse=True)[:args.top]
     write(os.path.join(args.out, "host_profile_ratio.json"), {
         "config": args.config, "steps": args.steps, "unprofiled_step_s": unprofiled,
+        "gc_frozen_step_s": frozen,
         "profiled_step_s": stats.total_tt / args.steps, "stats": run.stats.as_dict(),
         "top_by_own_time": [{"function": where, "own_s_per_step": own / args.steps,
                              "total_s_per_step": total / args.steps,
