@@ -53,8 +53,8 @@ def test_a_plan_said_to_move_nothing_moves_nothing_in_a_paged_pool(planned_page,
     monkeypatch.setattr(module, "machine_of", lambda device: machine)
     made = TensorPool.__init__
 
-    def paged_pool(self, device, allowance, page_bytes=1):
-        made(self, device, allowance, PAGE)
+    def paged_pool(self, device, allowance, footprint=None):
+        made(self, device, allowance, PAGED.pool_bytes)
     monkeypatch.setattr(TensorPool, "__init__", paged_pool)
     model, x, y = mobilenet_and_batch()
     budget = budget_between(sn.plan(model, x, policy="liveness").graph, 0.7)

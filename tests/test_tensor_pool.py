@@ -3,6 +3,7 @@ test says: eviction order, copies in flight, pages counted, prefetches and what 
 
 import torch
 
+from superneurons.planner.costs import H200
 from superneurons.runtime.pool import State, TensorPool
 
 
@@ -116,8 +117,8 @@ def test_device_entries_count_whole_allocator_pages():
     """Pool Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page,
     so many small entries leave room for the slivers of pages they keep mapped; the exact bytes
     stay known for the executor's calibration."""
-    pool = TensorPool(torch.device("cpu"), lambda step, until=None: 5 << 20)
-    pool.granule = 2 << 20                         # as on CUDA
+    pool = TensorPool(torch.device("cpu"), lambda step, until=None: 5 << 20,
+                      H200.pool_bytes)             # as on CUDA
     entries = [pool.add(k, torch.zeros(1000, dtype=torch.uint8), last_forward_step=0)
                for k in "abc"]
     assert pool.device_bytes == 6 << 20 and pool.exact_device_bytes == 3000

@@ -245,7 +245,7 @@ class Executor(RoomKeeping, SavedTensors):
         self.scratch_steps = {self.bwd(l.index) for l in graph.layers if l.backward_scratch}
         this = weakref.ref(self)       # the pool must not keep its executor alive
         self.pool = TensorPool(device, lambda step, until=None: this().allowance(step, until),
-                               plan.costs.machine.pool_page_bytes)          # pool Rule 5
+                               plan.costs.machine.pool_bytes)               # pool Rule 5
         # model state in host memory, streamed per layer (state.py), where the plan says so
         self.tier = StateTier(self.model, device, self.pool.mover) if plan.state == "host" \
             else None

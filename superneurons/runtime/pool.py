@@ -28,8 +28,8 @@ Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB pa
         entries live, 0.7-1.0 GiB of such slivers at Inception-v4's stem left autograd's own
         kernels, which nothing can retry, out of memory within the budget (benchmarks/results/
         diagnose_inception_v4_1_before.json; the executor's first-step margin did the rest).
-        The page is the plan's (Machine.pool_page_bytes, 1 off CUDA), so that a plan the
-        planner says moves nothing fits what the pool counts.
+        The pool counts as the plan's machine does (Machine.pool_bytes; byte for byte off
+        CUDA), so that a plan the planner says moves nothing fits what the pool counts.
 Rule 6: in forward the executor starts, after each layer, the copies that the room of the
         layers ahead will need (executor Rule 8): they run while those layers compute, and the
         room is then made by freeing copies already done.
@@ -72,7 +72,7 @@ class Entry:
 
 
 class TensorPool:
-    def __init__(self, device: torch.device, allowance, page_bytes: int = 1):
+    def __init__(self, device: torch.device, allowance, footprint=lambda nbytes: nbytes):
         self.mover = Mover(device)
         self.host_memory = HostMemory(pin=self.mover.cuda,
                                       fence=self.mover.copies_in if self.mover.cuda else None,
@@ -88,15 +88,11 @@ class TensorPool:
         self._waiting = None                     # host entries by next need, rebuilt lazily
         self._waiting_since = 0                  # the step _waiting was ordered from
         self.draining: deque = deque()           # (event, device bytes, footprint) in flight
-        self.granule = page_bytes                                       # Rule 5
+        self.footprint = footprint       # nbytes -> the device bytes the pool counts (Rule 5)
 
     def _hold(self, footprint: int, nbytes: int) -> None:
         self.device_bytes += footprint
         self.exact_device_bytes += nbytes
-
-    def footprint(self, nbytes: int) -> int:
-        """The device bytes the pool counts for ``nbytes`` (Rule 5)."""
-        return -(-nbytes // self.granule) * self.granule
 
     # -- forward -------------------------------------------------------------------------------
     def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:

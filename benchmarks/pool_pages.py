@@ -1,0 +1,73 @@
+"""How much more the Tensor Pool counts than a plan counted byte for byte: each tensor it holds
+rounded up to CUDA's 2 MiB page (pool Rule 5). For rows of H200 ratio records, the model is
+planned on this machine within the room the record's wrapper had at its last step (its budget
+less the memory the model did not own and the calibrated excess), counted byte for byte, as
+plans were before Machine.pool_page_bytes, and in pages; no GPU needed.
+
+    python benchmarks/pool_pages.py OUT_DIR RECORD:RATIO [...]
+
+RECORD is a results/ratio_*.json file. Writes OUT_DIR/pool_pages.json.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rounding_at_peak(plan, machine) -> tuple:
+    """(the most the pool's pages add at once over the plan's pool tensors, with every
+    checkpoint kept; how many tensors it holds then)."""
+    from superneurons.planner.predict import live_per_step
+    managed = [b for b in plan.buffers if b.managed]
+    spans = [((b.intervals[0][0], b.intervals[-1][1]),) for b in managed]
+    extra = [dataclasses.replace(b, nbytes=machine.pool_bytes(b.nbytes) - b.nbytes, intervals=s)
+             for b, s in zip(managed, spans)]
+    added, count = live_per_step(extra, len(plan.steps))
+    step = max(range(len(added)), key=added.__getitem__)
+    return added[step], count[step]
+
+
+def row(record_path: str, ratio: float) -> dict:
+    import torch
+    import superneurons as sn
+    from superneurons.planner import H200, plan_graph
+    from superneurons.planner.costs import OFF_CUDA
+    from ratio import build
+    with open(record_path) as f:
+        record = json.load(f)
+    measured = next(r for r in record["rows"] if r["system"] == "superneurons"
+                    and r["ratio"] == ratio)
+    last = measured["steps"][-1]
+    room = measured["first_step"]["budget_bytes"] - last["foreign_bytes"] - \
+        (last["excess_bytes"] or 0)
+    model, args, kwargs, _ = build(record["model"], "superneurons", torch.device("meta"))
+    autocast = torch.bfloat16 if record["dtype"] == "bf16" else None
+    graph = sn.plan(model, args, policy="liveness", autocast=autocast, kwargs=kwargs).graph
+    by_bytes = plan_graph(graph, "superneurons", room, machine=OFF_CUDA)
+    in_pages = plan_graph(graph, "superneurons", room, machine=H200)
+    added, held = rounding_at_peak(by_bytes, H200)
+    return {"record": os.path.basename(record_path), "ratio": ratio, "room_bytes": room,
+            "by_bytes": {"replayed_layers": by_bytes.num_extra_computations,
+                         "pages_added_bytes": added, "tensors_held_then": held,
+                         "bytes_to_move_in_pages": dataclasses.replace(
+                             by_bytes, costs=in_pages.costs).bytes_to_move(room)},
+            "in_pages": {"replayed_layers": in_pages.num_extra_computations,
+                         "bytes_to_move_in_pages": in_pages.bytes_to_move(room)}}
+
+
+def main():
+    sys.path.insert(0, HERE)
+    from common import write
+    rows = []
+    for spec in sys.argv[2:]:
+        path, ratio = spec.rsplit(":", 1)
+        rows.append(row(path, float(ratio)))
+        print(json.dumps(rows[-1]), flush=True)
+    write(os.path.join(sys.argv[1], "pool_pages.json"), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
