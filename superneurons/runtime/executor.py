@@ -222,8 +222,8 @@ class Executor(RoomKeeping, SavedTensors):
         self.unmanaged = plan.unmanaged_per_step()
         self.pool_created = plan.managed_created_per_step()
         self.pool_live = plan.managed_live_per_step()                         # Rule 8
-        self.rooms_ahead = None      # Rule 8: (key, per step the room less the pool's planned
-        # growth, their range minimum), made again when the key changes
+        self.forward_rooms = None    # Rules 1 and 8: room.py's tables, made again when the
+        # calibration changes (their key)
         self.work_before = [0.0]     # Rule 8: the plan's seconds of the route's first k layers
         for layer in plan.order:
             self.work_before.append(self.work_before[-1] + plan.costs.work[layer])

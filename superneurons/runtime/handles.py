@@ -6,9 +6,12 @@ liveness in backward comes for free from autograd's own bookkeeping.
 """
 
 import torch
-from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ..capture.sliced_loss import MODIFIED_INPLACE
+
+# what torch.autograd.grad_mode._unsafe_preserve_version_counter calls on leaving, without a
+# context manager per saved tensor (a step saves hundreds)
+_set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
 
 def view_of(tensor: torch.Tensor):
@@ -33,16 +36,23 @@ class Written:
     """Whether a saved tensor has been written in place since it was saved. Autograd checks
     that at every unpack, except where saved_tensors_hooks are set, as the executor's are: the
     executor checks instead, through an alias that shares the tensor's version counter (as its
-    views, its base and its detach() aliases do) and none of its bytes, so the check keeps no
-    memory alive that the plan frees or moves."""
+    views, its base and its detach() aliases do). Where the plan moves or drops the tensor, the
+    alias lets go of its bytes (forget_bytes), so that the check keeps no memory alive that the
+    plan frees; where the tensor is kept, the alias holds nothing the handle does not."""
 
     __slots__ = ("alias", "version")
 
-    def __init__(self, tensor: torch.Tensor):
-        alias = tensor.detach()
-        with _unsafe_preserve_version_counter(alias):     # set_() counts as a write
-            alias.set_()
-        self.alias, self.version = alias, tensor._version
+    def __init__(self, tensor: torch.Tensor, keeps_bytes: bool = True):
+        self.alias, self.version = tensor.detach(), tensor._version
+        if not keeps_bytes:
+            self.forget_bytes()
+
+    def forget_bytes(self) -> None:
+        """Keep the version counter, not the bytes; a write since the save stays counted."""
+        alias = self.alias
+        version = alias._version
+        alias.set_()                                   # set_() counts as a write: undone
+        _set_version_counter((alias,), (version,))
 
     def check(self) -> None:
         if self.alias._version != self.version:

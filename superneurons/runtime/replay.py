@@ -72,7 +72,7 @@ def restored_buffers(modules: list):
     """Rule 2: a replay must leave running statistics as the first forward left them, their
     version included: a buffer the forward saved for backward is checked for writes since
     (executor Rule 7), and restoring it is none."""
-    saved = [(b, b.clone()) for m in modules for b in m.buffers(recurse=False)
+    saved = [(b, b.clone()) for m in modules for b in m._buffers.values()   # a module's own
              if b is not None]
     try:
         yield

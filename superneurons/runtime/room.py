@@ -118,8 +118,12 @@ class RoomKeeping:
         """The pool's room after forward step ``position``: the next layer allocates before the
         pool can act again, so what it adds outside the pool and into it is left free now;
         ``awaiting``: _awaiting_bytes() now."""
-        following = min(position + 1, len(self.pool_created) - 1)
-        return self.allowance(position, following) - self.pool_created[following] - awaiting
+        if self.calibrating:                    # allowance() reads the allocator
+            following = min(position + 1, len(self.pool_created) - 1)
+            return self.allowance(position, following) - self.pool_created[following] - \
+                awaiting
+        foreign = self.foreign_bytes if self.count_foreign else 0
+        return self._forward_rooms()[0][position] - foreign - awaiting
 
     def _offload_ahead(self, position: int, awaiting: int) -> None:
         """Rule 8: after forward step ``position``, start the copies that a step from
@@ -135,11 +139,7 @@ class RoomKeeping:
         last = min(self.num_layers, position + 2 + OFFLOAD_LOOKAHEAD_LAYERS) - 1
         if last < position + 2:
             return
-        key = self.calibration.excess_bytes
-        if self.rooms_ahead is None or self.rooms_ahead[0] != key:
-            rooms = self._rooms_ahead()         # again when the calibration changes
-            self.rooms_ahead = (key, rooms, RangeMax([-room for room in rooms]))
-        _, rooms, tightest = self.rooms_ahead
+        _, rooms, tightest = self._forward_rooms()
         if self._held(awaiting, position) + tightest(position + 2, last) <= 0:
             return                                       # nothing ahead needs room
         need, by_step = self._leaving(position, last, awaiting, rooms)
@@ -172,18 +172,27 @@ class RoomKeeping:
                 need, by_step = leaving, ahead           # later, the copies would be late
         return need, by_step
 
-    def _rooms_ahead(self) -> list:
-        """Per forward step a: the room _room_for_next(a - 1) will give, the memory the model
-        does not own left out, less the pool's planned bytes by then (its growth is added back
-        from where the pool is)."""
-        rooms = [0]
-        for ahead in range(1, self.num_layers):
-            outside = self.unmanaged_max(ahead - 1, ahead)
-            if self.device.type == "cuda":
-                outside = self.calibration.outside(outside)
-            rooms.append(self.budget_bytes - outside - self.pool_live[ahead - 1]
-                         - self.pool_created[ahead])
-        return rooms
+    def _forward_rooms(self) -> tuple:
+        """The tables of forward's rooms, the memory the model does not own left out (it takes
+        the same room at every step: subtracted where read, so that the tables are made again
+        only when the calibration changes, not whenever the caller's tensors do; a table costs
+        a pass over the route, a lookup a layer's host time less than allowance()):
+        per step p, the room _room_for_next(p) gives; per step a, that room for a - 1 less the
+        pool's planned bytes by then (its growth is added back from where the pool is:
+        Rule 8), and their range minimum."""
+        key = self.calibration.excess_bytes
+        if self.forward_rooms is None or self.forward_rooms[0] != key:
+            cuda = self.device.type == "cuda"
+            next_rooms = []
+            for position in range(self.num_layers):
+                outside = self.unmanaged_max(position, position + 1)
+                if cuda:
+                    outside = self.calibration.outside(outside)
+                next_rooms.append(self.budget_bytes - outside - self.pool_created[position + 1])
+            ahead = [0] + [next_rooms[a - 1] - self.pool_live[a - 1]
+                           for a in range(1, self.num_layers)]
+            self.forward_rooms = (key, next_rooms, ahead, RangeMax([-room for room in ahead]))
+        return self.forward_rooms[1:]
 
     def _env_holds(self, node) -> None:
         for storage, nbytes in self.pool_storages_of.get(node, ()):

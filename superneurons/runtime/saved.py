@@ -32,8 +32,9 @@ class SavedTensors:
             return tensor     # a kernel's host-side scalars (attention's random seed and offset)
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
-                           Written(tensor))
-        holder = [tensor, Written(tensor)]       # as saved, before the layer writes any more
+                           Written(tensor, keeps_bytes=False))
+        # as saved, before the layer writes any more; its bytes go once _resolve moves or drops it
+        holder = [tensor, Written(tensor)]
         self.pending.append(holder)
         return holder
 
@@ -114,14 +115,17 @@ class SavedTensors:
                     entry = self.pool.add((self.step_id, layer.index, index),
                                           storage_bytes(tensor), position)
                     holder[0] = PoolRef(entry, view_of(tensor), step)
+                    holder[1].forget_bytes()
                 continue
             storage = self.graph.values[value].storage
             action = actions[storage]
             if action is Action.OFFLOAD:
                 holder[0] = self._pool_ref(storage, tensor, step)
+                holder[1].forget_bytes()
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
                 holder[0] = ValueRef(record, value, view_of(tensor))
+                holder[1].forget_bytes()
         self.pending = []
 
     def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,
