@@ -1,8 +1,9 @@
 """How much more the Tensor Pool counts than a plan counted byte for byte: each tensor it holds
-rounded up to CUDA's 2 MiB page (pool Rule 5). For rows of H200 ratio records, the model is
-planned on this machine within the room the record's wrapper had at its last step (its budget
-less the memory the model did not own and the calibrated excess), counted byte for byte, as
-plans were before Machine.pool_page_bytes, and in pages; no GPU needed.
+rounded up to CUDA's 2 MiB page, or to the allocator's 512-byte small block for one of at most
+1 MiB (pool Rule 5, Machine.pool_bytes). For rows of H200 ratio records, the model is planned on
+this machine within the room the record's wrapper had at its last step (its budget less the
+memory the model did not own and the calibrated excess), counted byte for byte, as plans were
+before Machine.pool_page_bytes, and as the pool counts ("in_pages"); no GPU needed.
 
     python benchmarks/pool_pages.py OUT_DIR RECORD:RATIO [...]
 

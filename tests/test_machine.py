@@ -45,9 +45,12 @@ def test_moving_a_byte_costs_its_way_out_and_back():
 def test_off_cuda_the_planner_assumes_the_h200_with_the_pool_counting_bytes_as_they_are():
     machine = machine_of(torch.device("cpu"))
     assert machine.pool_page_bytes == 1 and machine.pool_bytes(3) == 3
-    assert replace(machine, pool_page_bytes=H200.pool_page_bytes, source="") == \
-        replace(H200, source="")
-    assert H200.pool_bytes(1) == H200.pool_bytes(2 << 20) == 2 << 20
+    assert replace(machine, pool_page_bytes=H200.pool_page_bytes,
+                   pool_small_bytes=H200.pool_small_bytes, source="") == replace(H200, source="")
+    # on CUDA a tensor of at most 1 MiB counts in the small segments' 512-byte blocks, a larger
+    # one in 2 MiB pages
+    assert H200.pool_bytes(1) == 512 and H200.pool_bytes(1 << 20) == 1 << 20
+    assert H200.pool_bytes((1 << 20) + 1) == H200.pool_bytes(2 << 20) == 2 << 20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: measures the device's rates")

@@ -114,17 +114,20 @@ def test_copies_start_ahead_of_the_room_that_needs_them():
 
 
 def test_device_entries_count_whole_allocator_pages():
-    """Pool Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB page,
-    so many small entries leave room for the slivers of pages they keep mapped; the exact bytes
-    stay known for the executor's calibration."""
+    """Pool Rule 5: on CUDA an entry above 1 MiB counts its bytes rounded up to the allocator's
+    2 MiB page, so that entries leave room for the slivers of pages they keep mapped; one of at
+    most 1 MiB counts in the small segments' 512-byte blocks. The exact bytes stay known for
+    the executor's calibration."""
     pool = TensorPool(torch.device("cpu"), lambda step, until=None: 5 << 20,
                       H200.pool_bytes)             # as on CUDA
-    entries = [pool.add(k, torch.zeros(1000, dtype=torch.uint8), last_forward_step=0)
+    large = (1 << 20) + 1000
+    entries = [pool.add(k, torch.zeros(large, dtype=torch.uint8), last_forward_step=0)
                for k in "abc"]
-    assert pool.device_bytes == 6 << 20 and pool.exact_device_bytes == 3000
+    small = pool.add("d", torch.zeros(1000, dtype=torch.uint8), last_forward_step=0)
+    assert pool.device_bytes == (6 << 20) + 1024 and pool.exact_device_bytes == 3 * large + 1000
     pool.make_room(step=1, forward=True)           # 6 MiB counted > 5 MiB room: one leaves
-    assert [e.state for e in entries].count(State.ON_HOST) == 1
-    assert pool.device_bytes == 4 << 20 and pool.exact_device_bytes == 2000
+    assert [e.state for e in (*entries, small)].count(State.ON_HOST) == 1
+    assert pool.device_bytes == (4 << 20) + 1024
 
 
 class _SlowCopiesBothWays(_SlowCopies):

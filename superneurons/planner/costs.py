@@ -12,8 +12,9 @@ work(i): seconds to replay layer i's forward on a Machine: the longer of moving 
         A convolution costs its arithmetic, a ReLU its bytes: this is what choosing between
         replaying cheap layers and whole blocks weighs.
 Machine.move_seconds: a byte sent to the host and back, over the measured link.
-Machine.pool_page_bytes: the granule in which the Tensor Pool counts a tensor it holds (pool
-        Rule 5), so that a plan said to move nothing fits what the pool will count.
+Machine.pool_bytes: what the Tensor Pool counts for a tensor it holds (pool Rule 5): rounded up
+        to the allocator's page, or its small block for tensors the allocator keeps in small
+        segments, so that a plan said to move nothing fits what the pool will count.
 """
 
 import dataclasses
@@ -29,6 +30,10 @@ __all__ = ["LayerCosts", "layer_costs", "Machine", "H200", "OFF_CUDA", "CUDA_PAG
 # the CUDA caching allocator's page: a tensor the pool frees between live ones leaves its pages
 # partly used, and the pool counts each entry rounded up to it (runtime/pool.py Rule 5)
 CUDA_PAGE_BYTES = 2 << 20
+# requests up to this size share the allocator's small segments, each rounded up to its
+# smallest block (CUDACachingAllocator.cpp, kSmallSize and kMinBlockSize): one freed between live
+# ones leaves a sliver of a page the other small tensors share, not a page of its own
+CUDA_SMALL_BYTES, CUDA_SMALL_BLOCK_BYTES = 1 << 20, 512
 
 
 @dataclass(frozen=True)
@@ -42,10 +47,14 @@ class Machine:
     link_bytes_per_s: float = 1.0                  # pinned host memory, one way
     source: str = ""
     pool_page_bytes: int = CUDA_PAGE_BYTES         # 1 where the pool counts bytes as they are
+    pool_small_bytes: int = CUDA_SMALL_BYTES       # up to this, counted in small blocks
+    pool_small_block_bytes: int = CUDA_SMALL_BLOCK_BYTES
 
     def pool_bytes(self, nbytes: int) -> int:
         """What the Tensor Pool counts for a tensor of ``nbytes`` it holds."""
-        return -(-nbytes // self.pool_page_bytes) * self.pool_page_bytes
+        granule = self.pool_small_block_bytes if nbytes <= self.pool_small_bytes else \
+            self.pool_page_bytes
+        return -(-nbytes // granule) * granule
 
     def replay_seconds(self, nbytes: int, flops: int, kind: Kind, dtype: torch.dtype) -> float:
         rates = self.conv_flops_per_s if kind is Kind.CONV else self.matmul_flops_per_s
@@ -66,7 +75,8 @@ H200 = Machine(memory_bytes_per_s=2.31e12,
                matmul_flops_per_s={"float32": 4.8e13, "bfloat16": 4.3e14, "float16": 4.2e14},
                link_bytes_per_s=5.43e10, source="H200 defaults")
 # a run off CUDA: the pool counts what it holds byte for byte; the rates weigh nothing it runs
-OFF_CUDA = dataclasses.replace(H200, pool_page_bytes=1, source="H200 defaults, off CUDA")
+OFF_CUDA = dataclasses.replace(H200, pool_page_bytes=1, pool_small_bytes=0,
+                               source="H200 defaults, off CUDA")
 
 
 @dataclass(frozen=True)

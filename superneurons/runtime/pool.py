@@ -28,8 +28,11 @@ Rule 5: on CUDA an entry counts its bytes rounded up to the allocator's 2 MiB pa
         entries live, 0.7-1.0 GiB of such slivers at Inception-v4's stem left autograd's own
         kernels, which nothing can retry, out of memory within the budget (benchmarks/results/
         diagnose_inception_v4_1_before.json; the executor's first-step margin did the rest).
-        The pool counts as the plan's machine does (Machine.pool_bytes; byte for byte off
-        CUDA), so that a plan the planner says moves nothing fits what the pool counts.
+        A tensor of at most 1 MiB (batch statistics, a squeeze-excitation's pooled channels)
+        lives in the allocator's small segments, shared with other small ones, in 512-byte
+        blocks: it counts in those. The pool counts as the plan's machine does
+        (Machine.pool_bytes; byte for byte off CUDA), so that a plan the planner says moves
+        nothing fits what the pool counts.
 Rule 6: in forward the executor starts, after each layer, the copies that the room of the
         layers ahead will need (executor Rule 8): they run while those layers compute, and the
         room is then made by freeing copies already done.
