@@ -264,9 +264,21 @@ class Executor(RoomKeeping, SavedTensors):
         self.recomputed_layers = self.accounted_peak = 0
 
     def _read_state(self) -> None:
-        self.parameters = list(self.model.parameters())
-        self.param_ptrs = {t.untyped_storage().data_ptr()
-                           for t in (*self.parameters, *self.model.buffers())}
+        """Rule 3: the model's state as it is now, in one pass over its modules: its parameters
+        (whose gradients foreign_bytes counts), the storages of its parameters and buffers (the
+        pack hook's), and each by its dotted name (get_attr nodes read them: _state)."""
+        named, parameters = {}, {}
+        for prefix, module in self.model.named_modules():
+            dot = prefix + "." if prefix else ""
+            for name, tensor in module._parameters.items():
+                if tensor is not None:
+                    named[dot + name] = parameters[id(tensor)] = tensor
+            for name, tensor in module._buffers.items():
+                if tensor is not None:
+                    named[dot + name] = tensor
+        self.parameters = list(parameters.values())      # model.parameters()'s order
+        self.param_ptrs = {t.untyped_storage().data_ptr() for t in named.values()}
+        self.named_state = named
 
     def _liveness(self, graph) -> None:
         """Rule 1: after which route position each fx node's value can be dropped."""
@@ -490,8 +502,11 @@ class Executor(RoomKeeping, SavedTensors):
         return record
 
     def _state(self, node: fx.Node):
-        """A get_attr node's object, read from its owner now (state_getter)."""
-        return self.state_getter[node]()
+        """A get_attr node's object: the model's parameter or buffer of that name as this step
+        read it (_read_state), else read from its owner now (state_getter: a shared module's
+        second name, a plain tensor attribute, the graph's constants)."""
+        tensor = self.named_state.get(node.target)
+        return tensor if tensor is not None else self.state_getter[node]()
 
     def _named_state(self, name: str) -> torch.Tensor:
         """The state tensor the plan names (planner/state.py), read now as _state reads: the
