@@ -48,7 +48,7 @@ class Named:
         self.name = name
 
 
-def drive(trials, clock, planned, others, steps, in_flight_at=()):
+def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=True):
     """Steps of one call key, whose executor is named ``planned[1]``; returns the names of the
     executor of each step and of those dropped."""
     made = {}
@@ -59,7 +59,8 @@ def drive(trials, clock, planned, others, steps, in_flight_at=()):
     planned = (planned[0], Named(planned[1]))
     for step in range(steps):
         planned = trials.step("key", planned, torch.device("cpu"), lambda e: True,
-                              lambda p, e: others, make, lambda e: dropped.append(e.name),
+                              lambda p, e: (others, running_fits), make,
+                              lambda e: dropped.append(e.name),
                               lambda: step in in_flight_at)
         clock.running = planned[1].name
         ran.append(planned[1].name)
@@ -91,6 +92,23 @@ def test_the_fastest_plan_is_kept_and_the_others_dropped(fastest):
     assert [p["replayed_layers"] for p in record["plans"]] == [10, 12, 14]
     assert all(len(p["step_seconds"]) == TIMED_STEPS for p in record["plans"])
     assert record["plans"][record["kept"]]["step_seconds"] == [0.5] * TIMED_STEPS
+
+
+def test_a_running_plan_that_moves_data_in_the_calibrated_room_is_neither_timed_nor_kept():
+    """Rule 5: made with the first-step margin, it would move data where the others fit with
+    nothing moved; however fast a step of it seems, one of theirs is kept."""
+    chosen = tagged(fake_plan(10, (1, 2)), "a")
+    b, c = tagged(fake_plan(12, (1, 2, 3)), "b"), tagged(fake_plan(14, (0, 1, 2, 3)), "c")
+    clock = FakeClock({"chosen": 0.1, "executor of b": 2.0, "executor of c": 1.5})
+    trials = PlanTrials(clock)
+    ran, dropped = drive(trials, clock, (chosen, "chosen"), [b, c], 12, running_fits=False)
+    trial_steps = 2 * (TIMED_STEPS + 2)
+    assert ran[:trial_steps] == ["executor of b"] * (TIMED_STEPS + 2) + \
+        ["executor of c"] * (TIMED_STEPS + 2)
+    assert ran[trial_steps:] == ["executor of c"] * (12 - trial_steps)
+    assert sorted(dropped) == ["chosen", "executor of b"]
+    record, = trials.records
+    assert record["plans"][0]["step_seconds"] == [] and record["kept"] == 2
 
 
 def test_a_step_in_flight_ends_the_trial_with_the_plan_running():
