@@ -48,7 +48,8 @@ class Named:
         self.name = name
 
 
-def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=True):
+def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=True,
+          fits=lambda step, plan: True):
     """Steps of one call key, whose executor is named ``planned[1]``; returns the names of the
     executor of each step and of those dropped."""
     made = {}
@@ -61,7 +62,7 @@ def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=T
         planned = trials.step("key", planned, torch.device("cpu"), lambda e: True,
                               lambda p, e: (others, running_fits), make,
                               lambda e: dropped.append(e.name),
-                              lambda: step in in_flight_at)
+                              lambda: step in in_flight_at, lambda p: fits(step, p))
         clock.running = planned[1].name
         ran.append(planned[1].name)
     return ran, dropped
@@ -119,6 +120,20 @@ def test_a_step_in_flight_ends_the_trial_with_the_plan_running():
     ran, dropped = drive(trials, clock, (chosen, "chosen"), [b], at + 4, in_flight_at={at})
     assert ran[at:] == ["executor of b"] * 4 and dropped == ["chosen"]
     assert trials.records == [] and not trials.trials
+
+
+def test_a_plan_that_no_longer_fits_at_its_turn_ends_the_trial_with_the_plan_running():
+    """Rule 6: what the model does not own grew after the trial began; c, tried next, would
+    pass the budget beside it, so it is never made, and b, running then, is kept."""
+    chosen = tagged(fake_plan(10, (1,)), "a")
+    b, c = tagged(fake_plan(12, (1, 2)), "b"), tagged(fake_plan(14, (0, 1, 2)), "c")
+    clock = FakeClock({"chosen": 1.0, "executor of b": 2.0, "executor of c": 0.1})
+    trials = PlanTrials(clock)
+    turn_of_c = (TIMED_STEPS + 1) + (TIMED_STEPS + 2)
+    ran, dropped = drive(trials, clock, (chosen, "chosen"), [b, c], turn_of_c + 3,
+                         fits=lambda step, plan: plan is not c or step < turn_of_c)
+    assert ran[turn_of_c:] == ["executor of b"] * 3 and dropped == ["chosen"]
+    assert "executor of c" not in ran and trials.records == [] and not trials.trials
 
 
 def test_a_plan_made_again_is_tried_again():

@@ -485,9 +485,12 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                 plan.policy.recomputes:                                         # Rule 10
             plan, executor = self._executors[key] = self._trials.step(
                 key, (plan, executor), device, ready,
-                lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state),
+                lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state,
+                                           foreign),
                 lambda p, e: tried_executor(p, e, self.budget_bytes, self.model), self._drop,
-                self._in_flight)
+                self._in_flight,
+                lambda p: foreign is None or managed_holds(p, self.budget_bytes, foreign,
+                                                           self.budget_bytes // REPLAN_SLACK))
             made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6

@@ -22,6 +22,9 @@ Rule 5: the running plan was made before its calibration, with the first-step ma
         moved, it is not timed, nor kept. Timed beside them, it won a trial of efficientnet_b0
         by a step's noise and then moved 0.73 GB a step where they moved none
         (ratio_efficientnet_b0_bf16_4910947.json, at 0.75).
+Rule 6: the plans tried are those that fit beside what the model does not own at the step the
+        trial begins; a plan whose turn comes when that has grown past it (module Rule 3) is
+        not run: the trial ends there with the plan then running.
 """
 
 import time
@@ -109,12 +112,15 @@ class PlanTrials:
         self.records: list = []               # every finished trial, for benchmarks and logs
         self.trying = False                   # whether the last step was one of a trial
 
-    def step(self, key, planned, device, ready, others, make, drop, in_flight):
+    def step(self, key, planned, device, ready, others, make, drop, in_flight,
+             fits=lambda plan: True):
         """The (plan, executor) to run now for ``key``, whose own is ``planned``. ``ready(e)``:
         whether executor e's first steps are done; ``others(plan, e)``: (the plans to try
-        beside it, whether it is itself a candidate: Rule 5); ``make(plan, e)``: an executor for a tried plan; ``drop(e)``: module Rule 5;
-        ``in_flight()``: whether a step of the wrapper is (asked only while a trial may run,
-        not at every step of a settled plan)."""
+        beside it, whether it is itself a candidate: Rule 5); ``make(plan, e)``: an executor
+        for a tried plan; ``drop(e)``: module Rule 5; ``in_flight()``: whether a step of the
+        wrapper is (asked only while a trial may run, not at every step of a settled plan);
+        ``fits(plan)``: whether a plan still fits beside what the model does not own now
+        (Rule 6)."""
         self.trying = False
         plan, executor = planned
         trial = self.trials.get(key)
@@ -147,6 +153,8 @@ class PlanTrials:
             return self._end(key, trial, trial.tried[fastest][1], drop)
         index = trial.schedule[len(trial.marks)]
         entry = trial.tried[index]
+        if entry[1] is None and not fits(entry[0]):                      # Rule 6
+            return self._end(key, trial, trial.running(), drop)
         if entry[1] is None:
             entry[1] = make(entry[0], trial.tried[0][1])
         self.trying = True
@@ -186,11 +194,14 @@ def ready(executor) -> bool:
         calibration.left == 0
 
 
-def others_within(plan, executor, budget_bytes: int, strategy, state: str) -> tuple:
-    """(the plans that fit what ``budget_bytes`` leaves beside what the model does not own and
-    the calibrated excess (executor Rule 4) with nothing moved: the planner's choice there
-    first, then the others it found fitting (Plan.alternatives); whether ``plan`` fits so)."""
-    room = budget_bytes - executor.foreign_bytes - (executor.calibration.excess_bytes or 0)
+def others_within(plan, executor, budget_bytes: int, strategy, state: str,
+                  foreign=None) -> tuple:
+    """(the plans that fit what ``budget_bytes`` leaves beside the ``foreign`` bytes the model
+    does not own (read for this step; None: the executor's last reading) and the calibrated
+    excess (executor Rule 4) with nothing moved: the planner's choice there first, then the
+    others it found fitting (Plan.alternatives); whether ``plan`` fits so)."""
+    held = executor.foreign_bytes if foreign is None else foreign
+    room = budget_bytes - held - (executor.calibration.excess_bytes or 0)
     if room <= 0:
         return [], True
     try:
