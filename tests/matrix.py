@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 import superneurons as sn
+from superneurons.planner.plan import captured_step, plan_graph
 
 POLICIES = ("liveness", "offload", "recompute", "superneurons", "auto")
 
@@ -200,25 +201,22 @@ def example_input(args: tuple):
     return args
 
 
-_LIVENESS_PEAK: OrderedDict = OrderedDict()   # the last case's liveness peak, for its policies
+_CAPTURED: OrderedDict = OrderedDict()   # the last case's layer graph, for all its policies
 
 
 def forcing_budget(model, args, kwargs, policy: str, key=None, state="device") -> int | None:
     """Halfway between the policy's own peak and liveness's: the runtime must act. ``key``
-    names the case (same model, same inputs) whose liveness peak may be reused."""
+    names the case (same model, same inputs) whose captured graph may be planned again."""
     if policy == "liveness":
         return None
-    extra = {"kwargs": kwargs} if kwargs else {}
-    extra["state"] = state
-    key = None if key is None else (key, state)
-    example = example_input(args)
-    if key is None or key not in _LIVENESS_PEAK:
-        liveness = sn.plan(model, example, policy="liveness", **extra).peak_bytes
+    if key is None or key not in _CAPTURED:
+        graph = captured_step(model, example_input(args), kwargs=kwargs)
         if key is not None:
-            _LIVENESS_PEAK.clear()
-            _LIVENESS_PEAK[key] = liveness
-    liveness = _LIVENESS_PEAK[key] if key is not None else liveness
-    floor = sn.plan(model, example, policy=policy, **extra).peak_bytes
+            _CAPTURED.clear()
+            _CAPTURED[key] = graph
+    graph = _CAPTURED[key] if key is not None else graph
+    liveness = plan_graph(graph, "liveness", state=state).peak_bytes
+    floor = plan_graph(graph, policy, state=state).peak_bytes
     return (floor + liveness) // 2 if floor < liveness else None
 
 

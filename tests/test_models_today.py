@@ -45,8 +45,11 @@ def _check(name: str, policy: str):
 
 
 def _pairs(names):
-    # model-major: a case's policies run one after another and share its plain run
-    return [(name, policy) for name in names for policy in POLICIES]
+    # model-major, each case's policies on one worker (--dist loadgroup): they run one after
+    # another and share its plain run and its captured graph (matrix.py)
+    return [pytest.param(name, policy, id=f"{name}-{policy}",
+                         marks=pytest.mark.xdist_group(name))
+            for name in names for policy in POLICIES]
 
 
 @pytest.mark.parametrize(("name", "policy"), _pairs(DEFAULT))
@@ -60,9 +63,7 @@ def pytest_generate_tests(metafunc):
     if metafunc.definition.name != "test_today_matrix":
         return
     selected = "matrix" in (metafunc.config.option.markexpr or "")
-    pairs = _pairs(CASES) if selected else []
-    metafunc.parametrize(("name", "policy"),
-                         [pytest.param(n, p, id=f"{n}-{p}") for n, p in pairs])
+    metafunc.parametrize(("name", "policy"), _pairs(CASES) if selected else [])
 
 
 @pytest.mark.matrix

@@ -50,11 +50,18 @@ def _shufflenet():
     return model.train(), (x,), {}, classification_loss(y)
 
 
-@pytest.mark.parametrize("build", [_gpt_neox, _phi3, timm_builder("edgenext_xx_small"),
-                                   timm_builder("ghostnetv2_100", size=64), _shufflenet],
-                         ids=_name)
-@pytest.mark.parametrize("policy,state", [("recompute", "device"), ("offload", "device"),
-                                          ("superneurons", "device"), ("superneurons", "host")])
+_BUILDS = [_gpt_neox, _phi3, timm_builder("edgenext_xx_small"),
+           timm_builder("ghostnetv2_100", size=64), _shufflenet]
+_POLICIES = [("recompute", "device"), ("offload", "device"), ("superneurons", "device"),
+             ("superneurons", "host")]
+
+
+# model-major, each model's cases on one worker (--dist loadgroup): they share its plain run
+# and its captured graph (matrix.py)
+@pytest.mark.parametrize("build,policy,state", [
+    pytest.param(build, policy, state, id=f"{policy}-{state}-{_name(build)}",
+                 marks=pytest.mark.xdist_group(_name(build)))
+    for build in _BUILDS for policy, state in _POLICIES])
 def test_models_no_other_test_trains_match_plain(build, policy, state):
     """3 AdamW steps at a budget that forces the policy to act, bit for bit (matrix.py)."""
     assert matrix.compare(build, policy, state=state).status == "exact"

@@ -22,7 +22,7 @@ from .state import STATES, choose_resident, layer_state, state_buffers, state_by
 from .trim import PLANNED_SHARE, bytes_to_move, replay_only_what_the_budget_needs
 from .timeline import Timeline, build_timeline
 
-__all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "AUTO_ORDER"]
+__all__ = ["Plan", "LayerInfo", "Step", "plan", "plan_graph", "captured_step", "AUTO_ORDER"]
 
 # "auto" takes the first that fits: fastest first. On an H200 recomputing cheap layers costs less
 # than moving their tensors over the host link, so offloading comes last.
@@ -415,6 +415,16 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     """
     parse_policy(policy), parse_strategy(strategy), parse_bytes(budget)  # fail fast on bad input
     parse_state(state)
+    graph = captured_step(model, example_input, autocast=autocast, device_type=device_type,
+                          kwargs=kwargs, slice_loss=slice_loss,
+                          outside_gradients=outside_gradients)
+    return plan_graph(graph, policy, budget, strategy, state, machine)
+
+
+def captured_step(model, example_input, *, autocast=None, device_type="cuda", kwargs=None,
+                  slice_loss: bool = True, outside_gradients: bool = False) -> LayerGraph:
+    """The layer graph plan() plans, captured as sn.wrap would call the model; plan_graph()
+    plans it under any policy, budget and state without capturing again."""
     if autocast not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, not "
                          f"{autocast!r}")
@@ -423,4 +433,4 @@ def plan(model, example_input, policy="superneurons", budget=None, *,
     graph = capture(model, example_input, autocast_state, kwargs,
                     packed_positions=packed_positions(model, (), kwargs), slice_loss=slice_loss)
     graph.outside_gradients = bool(outside_gradients)          # gradients.py Rule 5
-    return plan_graph(graph, policy, budget, strategy, state, machine)
+    return graph
