@@ -80,7 +80,8 @@ from ..planner.plan import BudgetError, parse_state
 from ..units import format_bytes, parse_bytes
 from .data_parallel import DataParallel, RefusesDDPOverHostState, agreed, check_group
 from .executor import Executor
-from .room import budget_left, foreign_bytes, managed_holds, reads_device_memory
+from .room import REPLAN_SLACK, budget_left, foreign_bytes, managed_holds, \
+    reads_device_memory
 from .calls import call_key, compute_device, moved_to, on_meta
 from .checkpoint_keys import own_keys, wrapper_keys
 from .allocator_cap import available as cap_available, capped
@@ -95,9 +96,6 @@ from .trial import PlanTrials, others_within, ready, tried_executor
 from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
 
-# a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
-# for that memory to grow into, so that a step does not plan again at every few megabytes
-REPLAN_SLACK = 50
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
 # policies whose untouched run is a decision that the step fits (Rule 2), not the policy itself
 _DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
@@ -244,8 +242,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
             plan, executor = plans[key]
-        if not managed_holds(plan, self.budget_bytes, foreign,                  # Rule 3
-                             self.budget_bytes // REPLAN_SLACK):
+        if not managed_holds(plan, self.budget_bytes, foreign):                 # Rule 3
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
@@ -483,14 +480,13 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             self._untouched.warming(key)       # a managed step runs, not plan_for's look
         elif self.budget_bytes is not None and self.state == "device" and \
                 plan.policy.recomputes:                                         # Rule 10
+            budget = self.budget_bytes
             plan, executor = self._executors[key] = self._trials.step(
                 key, (plan, executor), device, ready,
-                lambda p, e: others_within(p, e, self.budget_bytes, self.strategy, self.state,
-                                           foreign),
-                lambda p, e: tried_executor(p, e, self.budget_bytes, self.model), self._drop,
+                lambda p, e: others_within(p, e, budget, self.strategy, self.state, foreign),
+                lambda p, e: tried_executor(p, e, budget, self.model), self._drop,
                 self._in_flight,
-                lambda p: foreign is None or managed_holds(p, self.budget_bytes, foreign,
-                                                           self.budget_bytes // REPLAN_SLACK))
+                lambda p: foreign is None or managed_holds(p, budget, foreign))  # trial Rule 6
             made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6

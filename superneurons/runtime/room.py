@@ -49,11 +49,16 @@ def untouched_holds(plan_peak_bytes: int, budget_bytes: int, foreign: int) -> bo
     return plan_peak_bytes + foreign <= budget_bytes
 
 
-def managed_holds(plan, budget_bytes: int, foreign: int, slack: int) -> bool:
+# a plan made again beside memory the model does not own leaves 1/REPLAN_SLACK of the budget
+# for that memory to grow into, so that a step does not plan again at every few megabytes
+REPLAN_SLACK = 50
+
+
+def managed_holds(plan, budget_bytes: int, foreign: int) -> bool:
     """module Rule 3 at every step: whether a managed ``plan`` still fits the budget beside the
     ``foreign`` bytes the model does not own now. Its peak must fit; and a plan whose replays
     were chosen so that nothing moves within its budget (planner/trim.py) must still move
-    nothing in what is left, give or take the ``slack`` a plan made again leaves (so that one
+    nothing in what is left, give or take the slack a plan made again leaves (so that one
     made again without it, at its policy's floor, is not made again every few kilobytes).
     Made before the optimizer's first step, such a plan fills the room the state then takes,
     and a few more cheap replays cost less than moving what they would keep over the host
@@ -63,7 +68,7 @@ def managed_holds(plan, budget_bytes: int, foreign: int, slack: int) -> bool:
     if not plan.policy.recomputes or plan.budget_bytes is None or plan.state != "device":
         return True
     return not plan.moves_nothing_within(plan.budget_bytes) or \
-        plan.moves_nothing_within(budget_bytes - foreign + slack)
+        plan.moves_nothing_within(budget_bytes - foreign + budget_bytes // REPLAN_SLACK)
 
 
 def budget_left(budget: int, others: int, device) -> int:
