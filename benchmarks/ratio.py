@@ -163,7 +163,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
     gpu = GpuLock.from_environment()
     gpu.share()                                      # set-up and first step beside others'
     run, step_once, cap, _ = prepare(name, dtype, system, ratio, plain_peak, device)
-    seconds, first, states = [], None, []
+    seconds, first, states, retries = [], None, [], []
 
     def timed() -> list:
         return after_warm_up(seconds, [s.get("calibrating", False) for s in states],
@@ -179,6 +179,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
             step_once()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
+            # the allocator's frees and retries of a step that met the cap: a slow step's cause
+            retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
             if system == "superneurons" and run.stats is not None:
                 if step == 0:
                     first = run.stats.as_dict()
@@ -194,7 +196,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
     steady = timed() or seconds[-steps:]                    # or calibrating to the end
     row = {"ok": True, "per_s": per_second(name, steady), "first_step_s": seconds[0],
-           "step_s": seconds, "timed_steps": len(timed()), "cap_bytes": cap,
+           "step_s": seconds, "alloc_retries": retries, "timed_steps": len(timed()), "cap_bytes": cap,
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     if system == "superneurons" and run.stats is not None:
