@@ -67,8 +67,9 @@ def test_measuring_the_device_leaves_its_random_stream_and_autocast_alone():
     assert machine_of(device) is measured                  # once per device and TF32 setting
     assert 1e11 < measured.memory_bytes_per_s < 1e14
     assert 1e9 < measured.link_bytes_per_s < 1e12
-    assert measured.matmul_flops_per_s["bfloat16"] > measured.matmul_flops_per_s["float32"]
     assert "measured on" in measured.source
+    if machine._alone(0):       # beside other processes' kernels a rate reads what they leave
+        assert measured.matmul_flops_per_s["bfloat16"] > measured.matmul_flops_per_s["float32"]
 
 
 def test_measured_rates_are_kept_on_disk_by_device_and_versions(tmp_path, monkeypatch):

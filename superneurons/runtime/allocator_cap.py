@@ -52,6 +52,12 @@ def capped(caps: dict, device: torch.device, budget_bytes: int, forward):
     if not reads_device_memory(device):
         raise ValueError(f"strict_budget limits CUDA's caching allocator; this step runs "
                          f"on {device}: leave strict_budget off there")
+    if deterministic_kernels():
+        raise ValueError(
+            "strict_budget limits cuDNN's convolution workspaces to the budget, and with "
+            "deterministic kernels on, an engine chosen within less memory may round "
+            "differently from the one plain PyTorch chooses: leave strict_budget off (a "
+            "workspace past the budget is then warned about) or turn deterministic kernels off")
     cap = caps.get(device)
     if cap is None:
         cap = caps[device] = AllocatorCap(device, budget_bytes)
@@ -62,6 +68,12 @@ def capped(caps: dict, device: torch.device, budget_bytes: int, forward):
         cap.release(key)
     cap.through_backward(out)
     return out
+
+
+def deterministic_kernels() -> bool:
+    """Whether the caller asked for reproducible kernels (cuDNN's deterministic flag, or
+    torch.use_deterministic_algorithms): then training is promised plain PyTorch's bits."""
+    return torch.backends.cudnn.deterministic or torch.are_deterministic_algorithms_enabled()
 
 
 class AllocatorCap:

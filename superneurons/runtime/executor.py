@@ -56,7 +56,8 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         kept 2.0 (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed
         one that runs out of memory under its limit is retried without it (Rule 5's retry),
         and the calibration is not made again for it: the limit failed, not the plan. A
-        backward one's out-of-memory is autograd's, beyond reach (Rule 5).
+        backward one's out-of-memory is autograd's, beyond reach (Rule 5). Never under
+        deterministic kernels: an engine chosen within less memory may round otherwise.
 Rule 10: on CUDA, once the pool has offloaded in a step, every later forward marks the compute
         stream before each layer, and where the pool may move data after a layer (it holds
         more than its room, or Rule 8's copies must start) the host waits until the stream has

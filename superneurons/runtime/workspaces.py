@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator_cap import available as fraction_readable
+from .allocator_cap import available as fraction_readable, deterministic_kernels
 from .near_limit import own_limit_began, own_limit_ended
 
 # what the caching allocator reserves anew for a request (CUDACachingAllocator.cpp): requests
@@ -50,8 +50,11 @@ def segment_bytes(nbytes: int) -> int:
 
 def fits_on(device: torch.device) -> bool:
     """Whether workspaces can be fitted on ``device``: CUDA, with a torch that says what the
-    caller's own memory fraction is (to give it back)."""
-    return device.type == "cuda" and fraction_readable()
+    caller's own memory fraction is (to give it back). Not under deterministic kernels: an
+    engine chosen within less memory than plain PyTorch has may round differently from the
+    one plain chooses, and such a caller compares bits. A workspace then takes what the device
+    allows, and a step it takes past the budget is warned about (untouched.py Rule 4)."""
+    return device.type == "cuda" and fraction_readable() and not deterministic_kernels()
 
 
 def grad_bytes(tensors) -> list:
