@@ -287,7 +287,8 @@ def test_on_cuda_under_deterministic_kernels_a_managed_step_is_not_fitted_and_tr
         del optimizer
         plain.zero_grad(set_to_none=True)
         plain.cpu()                  # not in the wrapped model's budget as memory it does not own
-    executors = [e for _, e in wrapped._executors.values() if e is not None]
+    planned = (*wrapped._executors.values(), *wrapped._fallbacks.values())
+    executors = [e for _, e in planned if e is not None]
     assert executors and all(e.workspaces is None for e in executors)
     assert any(e.plan.policy.recomputes for e in executors)          # a managed plan ran
     assert all(torch.equal(a, b.cpu()) for a, b in zip(plain.state_dict().values(),
