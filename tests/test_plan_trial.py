@@ -229,7 +229,7 @@ def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
     if device == "cuda" and not wrapped.plan_trials:
-        pytest.skip("exact and within the budget; on the H200 this budget left no plan to try "
+        pytest.skip("exact and within the budget; on CUDA this budget left no plan to try "
                     "beside the one chosen (trials on CUDA: ratio.py's plan_trials)")
     record, = wrapped.plan_trials
     assert len(record["plans"]) >= 2 and not any(trying[:first]) and trying[first]
