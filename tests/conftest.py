@@ -50,3 +50,22 @@ def pytest_configure(config):
     import os
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/test_benchmark_*.py run the benchmark scripts' plumbing on the CPU (child
+    processes, gloo ranks, records written): marked ``scripts`` and left to their own command
+    (``-m scripts``, which .ci/run runs after the README's), so that the README's command stays
+    within ten minutes on two cores. No exactness case is among them."""
+    selected = "scripts" in (config.option.markexpr or "")
+    kept, deselected = [], []
+    for item in items:
+        if item.path.name.startswith("test_benchmark_"):
+            item.add_marker(pytest.mark.scripts)
+            if not selected:
+                deselected.append(item)
+                continue
+        kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
