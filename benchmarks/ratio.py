@@ -179,7 +179,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
             step_once()
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - began)
-            # the allocator's frees and retries of a step that met the cap: a slow step's cause
+            # the allocator's retries so far (a step that met the cap freed its cache and retried:
+            # a slow step's cause), read after each step
             retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
             if system == "superneurons" and run.stats is not None:
                 if step == 0:
@@ -196,7 +197,8 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
     steady = timed() or seconds[-steps:]                    # or calibrating to the end
     row = {"ok": True, "per_s": per_second(name, steady), "first_step_s": seconds[0],
-           "step_s": seconds, "alloc_retries": retries, "timed_steps": len(timed()), "cap_bytes": cap,
+           "step_s": seconds, "alloc_retries": retries, "timed_steps": len(timed()),
+           "cap_bytes": cap,
            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device)}
     if system == "superneurons" and run.stats is not None:
