@@ -12,6 +12,7 @@ import superneurons as sn
 from torch.autograd.graph import saved_tensors_hooks
 
 from superneurons.runtime import allocator_cap, executor as executor_module, near_limit, workspaces
+from superneurons.runtime import pace as pace_module
 from superneurons.runtime.workspaces import WorkspaceFit, grad_bytes, segment_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -429,8 +430,8 @@ def test_a_settle_waits_for_what_was_queued_before_the_layer_its_lead_back(monke
     raised part-way, whose marks and moves say nothing of the next."""
     stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(executor_module, "PACE_LEAD", lead)
-    pace = executor_module.Pace(torch.device("cuda", 0))
+    monkeypatch.setattr(pace_module, "PACE_LEAD", lead)
+    pace = pace_module.Pace(torch.device("cuda", 0))
 
     def forward(layers: int, ends: bool = True) -> list:
         """The marks waited for in one forward, as numbers of that forward's own marks."""
@@ -462,10 +463,10 @@ def test_a_paced_forward_waits_where_the_pool_moves_data_or_before_every_layer(m
     wrapped = sn.wrap(model, policy="offload", budget=(floor + liveness) // 2)
     wrapped(x).sum().backward()
     executor = wrapped._last[1]
-    executor.pace, executor.paced = executor_module.Pace(CUDA0), True   # as after a CUDA step
+    executor.pace, executor.paced = pace_module.Pace(CUDA0), True   # as after a CUDA step
     settled, moved = [], set()
-    pool, settle = executor.pool, executor_module.Pace.settle
-    monkeypatch.setattr(executor_module.Pace, "settle", lambda pace, position: (
+    pool, settle = executor.pool, pace_module.Pace.settle
+    monkeypatch.setattr(pace_module.Pace, "settle", lambda pace, position: (
         settled.append(position), settle(pace, position)))
     for name in ("make_room", "offload_early"):
         def logged(step, *args, _method=getattr(pool, name), **kwargs):
@@ -477,19 +478,19 @@ def test_a_paced_forward_waits_where_the_pool_moves_data_or_before_every_layer(m
 
     def paced_forward(share: float) -> bool:
         """Whether the forward waited before every layer."""
-        monkeypatch.setattr(executor_module, "PACE_EVERY_LAYER_SHARE", share)
+        monkeypatch.setattr(pace_module, "PACE_EVERY_LAYER_SHARE", share)
         settled.clear(), moved.clear()
         wrapped(x).sum().backward()
         return executor.pace.everywhere
     layers = executor.num_layers
     assert paced_forward(1.0)                               # no forward has said where yet
-    assert wrapped.stats.paced_layers == layers - executor_module.PACE_LEAD
+    assert wrapped.stats.paced_layers == layers - pace_module.PACE_LEAD
     assert moved and len(moved) < layers, "the budget should move some data"
     assert not paced_forward(1.0)
     assert sorted(set(settled)) == sorted(moved)
     assert 0 < wrapped.stats.paced_layers <= len(moved)
     assert paced_forward(0.0)
-    assert wrapped.stats.paced_layers == layers - executor_module.PACE_LEAD
+    assert wrapped.stats.paced_layers == layers - pace_module.PACE_LEAD
     assert stream.made == 3 * layers
 
 
@@ -504,7 +505,7 @@ def test_a_forward_counts_the_moves_left_once_the_host_has_waited(monkeypatch):
     wrapped = sn.wrap(_net("cpu"), policy="offload", budget=(floor + liveness) // 2)
     wrapped(x).sum().backward()
     executor = wrapped._last[1]
-    executor.pace, executor.paced = executor_module.Pace(CUDA0), True
+    executor.pace, executor.paced = pace_module.Pace(CUDA0), True
     calls = []
 
     def over_until_waited(limit):      # over before the wait, not after it
@@ -531,8 +532,8 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes
     wrapped = sn.wrap(_net("cuda"), policy="offload", budget=(floor + liveness) // 2)
-    mark, marks = executor_module.Pace.before_layer, []
-    monkeypatch.setattr(executor_module.Pace, "before_layer",
+    mark, marks = pace_module.Pace.before_layer, []
+    monkeypatch.setattr(pace_module.Pace, "before_layer",
                         lambda pace, position: (marks.append(position), mark(pace, position)))
     moved, paced = [], []
     for _ in range(3):

@@ -262,6 +262,53 @@ def build_kwargs_dict():
     return model.train(), (x,), dict(scale=0.5, mask=mask), loss_fn
 
 
+class ShiftedNorm(nn.BatchNorm2d):
+    """A batch norm whose output reads its running mean, which its forward writes first."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out + self.running_mean.view(1, -1, 1, 1)
+
+
+class BatchNormKinds(nn.Module):
+    """Batch norms a replay must leave as the forward left them: in training (one called twice
+    in a row, one without running statistics), frozen in eval mode, and a subclass whose
+    output reads the running statistics it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.frozen = nn.BatchNorm2d(8)
+        self.untracked = nn.BatchNorm2d(8, track_running_stats=False)
+        self.shifted = ShiftedNorm(8)
+        self.head = nn.Linear(8, NUM_CLASSES)
+        with torch.no_grad():
+            self.frozen.running_mean.uniform_(-1, 1)
+            self.frozen.running_var.uniform_(0.5, 2)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.frozen.eval()
+        return self
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.norm(self.conv1(x))))
+        h = self.shifted(torch.relu(self.untracked(self.frozen(self.conv2(h)))))
+        return self.head(torch.tanh(h).mean((2, 3)))
+
+
+def build_batchnorm_leaves():
+    """BatchNormKinds' norms in training as leaf modules (an nn.Sequential, captured by fx
+    rather than exported): one called twice in a row, one untracked, the subclass."""
+    norm = nn.BatchNorm2d(8)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm, norm, ShiftedNorm(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1),
+                          nn.BatchNorm2d(8, track_running_stats=False), nn.Tanh(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, NUM_CLASSES))
+    return _simple(model, *_image_batch())
+
+
 def _plain(cls, batch=_batch):
     def build():
         return _simple(cls(), *batch())
@@ -300,6 +347,11 @@ def cases() -> dict[str, Case]:
              requires=("torchvision",)),
         case("shared_batchnorm", _plain(SharedBatchNorm),
              "one BatchNorm1d block applied twice (running stats updated twice)"),
+        case("batchnorm_kinds", _plain(BatchNormKinds, _image_batch),
+             "batch norms in training (one twice in a row), in eval, untracked, and a subclass "
+             "reading its running mean"),
+        case("batchnorm_leaves", build_batchnorm_leaves,
+             "batchnorm_kinds' norms in training as leaf modules of an nn.Sequential"),
         case("kwargs_dict", build_kwargs_dict,
              "forward(x, scale=2.0, mask=None) called with kwargs, returns a dict"),
     ])

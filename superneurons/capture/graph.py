@@ -64,6 +64,7 @@ class Layer:
     path: str = ""            # the module it belongs to, for per-block summaries
     state_reads: tuple = ()   # get_attr nodes of model state it reads (parameters, buffers)
     state_writes: tuple = ()  # those it writes in place (running statistics, spectral norm)
+    writes_buffers: bool = False  # a leaf module, not torch.nn's, that writes its own buffers
 
     @property
     def internal_saved_bytes(self) -> int:

@@ -142,6 +142,16 @@ class Analyzer:
                                        if t is not None and t.device.type != "meta"}
         return self.meta_state[module]
 
+    def _own_buffers(self, module) -> list:
+        """The buffers a leaf module not torch.nn's own runs with (their meta twins), whose
+        writes a replay would read as the forward left them (policy Rule 4). torch.nn's
+        modules that write buffers are norms, whose outputs in training read the batch alone
+        (runtime/replay.py Rule 2)."""
+        if module is None or type(module).__module__.startswith("torch.nn"):
+            return []
+        twins = self._state(module)
+        return [twins.get(name, b) for name, b in module._buffers.items() if b is not None]
+
     def run(self, flat_inputs: list) -> LayerGraph:
         names, last_call_of_module, last_random = {}, {}, None
         order_deps, inputs, input_nodes, outputs, cast_from = {}, [], [], (), {}
@@ -348,13 +358,17 @@ class Analyzer:
         pattern = self.memo.get(key) if key is not None else None
         if pattern is not None:                                               # Rule 4
             result = pattern.result(tensors)
+            writes_buffers = False                # torch.nn's own modules: see _own_buffers
             mutated = list(pattern.mutated)
             scratch, random = pattern.scratch, pattern.random
             written = set()                       # a memoized call reads no model state
         else:
+            buffers = self._own_buffers(module)
+            versions_before = [b._version for b in buffers]
             result, packed, mutated, watch = self._run(node, module, name, args, kwargs, tensors)
             random = watch.random
             written = watch.written
+            writes_buffers = any(b._version != v for b, v in zip(buffers, versions_before))
         mutates = tuple(sorted({self.values[order[k]].storage for k in mutated}))
         if set(mutates) & set(self.state_storage.values()):
             raise ValueError(
@@ -393,7 +407,8 @@ class Analyzer:
                       path=node.target if module is not None else module_path(node),
                       state_reads=tuple(state),
                       state_writes=tuple(n for n, t in state.items()
-                                         if t._version != versions[n] or id(t) in written))
+                                         if t._version != versions[n] or id(t) in written),
+                      writes_buffers=writes_buffers)
         self.layers.append(layer)
         return layer, deps
 
@@ -527,3 +542,4 @@ def _aliased_when_traced(node: fx.Node) -> bool:
     traced, traced_input = node.meta.get("val"), node.args[0].meta.get("val")
     return (isinstance(traced, torch.Tensor) and isinstance(traced_input, torch.Tensor)
             and torch._C._is_alias_of(traced, traced_input))
+

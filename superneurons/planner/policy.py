@@ -8,7 +8,9 @@ Rule 3: a value a segment hands to another segment makes its producer a checkpoi
         segment never has to recompute another segment to start.
 Rule 4: a layer writing in place into a storage that its own segment did not create is not
         recomputable (the replay would write twice); nor is a layer reading a storage that a later
-        layer overwrites in place (the replay would read the new contents).
+        layer overwrites in place (the replay would read the new contents), nor a leaf module
+        of the model's own that writes its buffers (its replay would read them as its forward
+        left them, where its output may depend on them).
 Rule 5: the layers that produce the model's outputs are checkpoints (the loss reads them). A
         cast capture Rule 7 made an output may be the step's intermediate instead (HF's float32
         copy of the logits, which its loss reads), replayed from what it cast, which then lives
@@ -153,8 +155,8 @@ def _recomputable(graph: LayerGraph, order: list, keep: set | None) -> set:
         checkpoint = layer.kind in CHECKPOINT_KINDS if keep is None else layer.index in keep
         if checkpoint or outputs.intersection(layer.outputs):
             continue                                      # Rules 1, 5 and 8
-        if not layer.outputs:
-            continue
+        if not layer.outputs or layer.writes_buffers:
+            continue                                      # Rule 4, third part
         reads_overwritten = any(
             last_writer.get(graph.values[v].storage, -1) > pos[layer.index] for v in layer.inputs)
         if reads_overwritten:

@@ -74,7 +74,6 @@ Rule 10: on CUDA, once the pool has offloaded in a step, every later forward mar
         0.65 only where the pool moves (ratio_*_pace_at_*.json).
 """
 
-import collections
 import logging
 import operator
 import weakref
@@ -89,77 +88,17 @@ from ..planner import Action
 from .handles import PoolRef
 from .calibration import Calibration
 from .outside import OutsideGradients
+from .pace import Pace
 from .pool import TensorPool
 from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .saved import SavedTensors
-from .replay import SegmentRecord, capture_autocast, capture_rng, replayed_random, \
-    restored_buffers
+from .replay import SegmentRecord, blind_state, capture_autocast, capture_rng, \
+    replayed_random, restored_buffers, stand_in
 from .state import StateTier
 from .workspaces import FitOutOfMemory, WorkspaceFit, fits_on, grad_bytes
 
 
 log = logging.getLogger(__name__)   # INFO: a calibrating step is slower (Rule 4); the CLI says so
-
-
-# Rule 10: forward layers the host may have queued ahead of the compute stream when it waits
-# (0: all queued before). Two, waiting before every layer, kept the device fed while the host
-# prepared the next layer and held ResNet-101's budget at batch 896, where a lead of many short
-# layers did not (pace_ab_*.json, claims_pace_lead_1ms.json)
-PACE_LEAD = 2
-# Rule 10: a forward whose last one still had data to move after waiting, after more than this
-# share of its layers, waits before every layer. Waiting only where the pool might move data,
-# ResNet-101 at batch 896 waited at 84% of its forward layers and passed its budget; waiting
-# before every layer, it held it. The rows of ratio_*_pace_at_*.json waited at about 5% of theirs
-# at most (28 of DenseNet-121's 552): they peaked the same either way, and ran up to 0.15 of
-# plain's speed faster waiting only there. A quarter lies between.
-PACE_EVERY_LAYER_SHARE = 0.25
-
-
-class Pace:
-    """Rule 10: the host marks the compute stream before each forward layer, and waits until the
-    stream has run all it queued before the layer PACE_LEAD positions back: where the pool may
-    move data after a layer (it holds more than its room, or copies must start early), and
-    before every layer in a forward that follows one where the pool did so after many of its
-    layers, or none that ended (the first paced forward; one after a forward that raised). The
-    pool's copies on their own streams run on; elsewhere the host runs ahead as PyTorch lets
-    it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.marks: collections.deque = collections.deque()    # (position, event)
-        self.everywhere = True
-        self.moves: set = set()      # positions of this forward where the pool moves data
-        self.ended = None            # the moves of the last forward that ended
-        self.waits = 0               # this forward's settles that waited
-
-    def begin_forward(self, num_layers: int) -> None:
-        """Marks are positions of one forward: a forward that raised leaves its own behind."""
-        self.everywhere = self.ended is None or \
-            len(self.ended) > PACE_EVERY_LAYER_SHARE * num_layers
-        self.ended = None
-        self.marks.clear()
-        self.moves, self.waits = set(), 0
-
-    def end_forward(self) -> None:
-        self.ended = self.moves
-
-    def before_layer(self, position: int) -> None:
-        self.marks.append((position, torch.cuda.current_stream(self.device).record_event()))
-        if self.everywhere:
-            self.settle(position)
-
-    def moving(self, position: int) -> None:
-        """After the layer at ``position``, settled, the pool still has data to move: counted
-        on the device as it is, whether this forward waited before every layer or not."""
-        self.moves.add(position)
-
-    def settle(self, position: int) -> None:
-        last = None
-        while self.marks and position - self.marks[0][0] >= PACE_LEAD:
-            last = self.marks.popleft()[1]
-        if last is not None:         # the stream ran the earlier marks before it
-            last.synchronize()
-            self.waits += 1
 
 
 def _getter(owner, dotted: str):
@@ -255,6 +194,7 @@ class Executor(RoomKeeping, SavedTensors):
         self.records: dict = {}
         self.every_record = weakref.WeakSet()  # of every step whose handles may live (in_flight)
         self.pending: list = []
+        self.stand_ins: dict = {}        # batch norms' buffers for replays (replay.py Rule 2)
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -313,11 +253,19 @@ class Executor(RoomKeeping, SavedTensors):
         self.segment_free_after = {}   # segment -> position -> nodes a replay may drop there
         self.segment_position = {}     # segment -> layer -> its position in the segment
         self.segment_state = {}        # segment -> get_attr nodes its layers read
+        self.segment_copied = {}       # segment -> those some layer writes, copied for replays
+        self.segment_blind = {}        # segment -> those written that replays read stand-ins of
         self.mutable_state = {n for layer in graph.layers for n in layer.state_writes}
         for segment in self.plan.segments:
             self.segment_state[segment.index] = list(dict.fromkeys(
                 n for l in segment.layers for n in graph.layers[l].node.all_input_nodes
                 if n.op == "get_attr"))
+            written = [n for n in self.segment_state[segment.index] if n in self.mutable_state]
+            # with state on the host a replay writes only its own copies (state.py Rule 4)
+            blind = set() if self.plan.state == "host" else \
+                blind_state(written, [graph.layers[l].node for l in segment.layers])
+            self.segment_copied[segment.index] = [n for n in written if n not in blind]
+            self.segment_blind[segment.index] = blind
             self.segment_position[segment.index] = {l: p for p, l in enumerate(segment.layers)}
             inside = {graph.layers[l].node: p for p, l in enumerate(segment.layers)}
             uses = {}
@@ -497,7 +445,7 @@ class Executor(RoomKeeping, SavedTensors):
         random = any(self.graph.layers[l].random for l in segment.layers)
         rng = capture_rng(self.device) if random else None
         state = {node: self._state(node).detach().clone()
-                 for node in self.segment_state[segment.index] if node in self.mutable_state}
+                 for node in self.segment_copied[segment.index]}
         record = SegmentRecord(self, segment, inputs, rng, self.autocast, state)
         self.every_record.add(record)
         return record
@@ -518,8 +466,12 @@ class Executor(RoomKeeping, SavedTensors):
         """Run ``record``'s segment again up to position ``last``, keeping the ``wanted`` keys."""
         segment = record.segment
         # model state as the segment's forward read it: written-in-place state from the
-        # record's copy (a copy again, so the replay's own writes touch neither), the rest as is
-        env = {node: record.state[node].clone() if node in record.state else self._state(node)
+        # record's copy (a copy again, so the replay's own writes touch neither), or a stand-in
+        # where no output depends on it (replay.py Rule 2), the rest as is
+        blind = self.segment_blind[segment.index]
+        env = {node: record.state[node].clone() if node in record.state else
+               stand_in(node, self._state(node), self.stand_ins) if node in blind else
+               self._state(node)
                for node in self.segment_state[segment.index]}
         for node, holder in record.inputs.items():
             if isinstance(holder, PoolRef):
@@ -538,7 +490,7 @@ class Executor(RoomKeeping, SavedTensors):
         kind, enabled, dtype = record.autocast
         self.replaying = (record, wanted)
         try:
-            with torch.enable_grad(), restored_buffers(modules), \
+            with torch.enable_grad(), restored_buffers(modules, self.stand_ins), \
                     replayed_random(record.rng, self.device), \
                     torch.autocast(kind, dtype=dtype, enabled=enabled), \
                     saved_tensors_hooks(self._capture, _never):

@@ -76,8 +76,10 @@ class PoolRef:
         entry.need_steps.append(step)
 
     def get(self) -> torch.Tensor:
-        pool = self.entry.pool
-        return rebuild(pool.fetch(self.entry, self.step), self.view)
+        entry = self.entry
+        device = entry.pool.fetch(entry, self.step)
+        # the tensor as saved, where it has not moved and this is its view (no new tensor)
+        return device if self.view == entry.saved_view else rebuild(device, self.view)
 
     def __del__(self):
         entry = self.entry

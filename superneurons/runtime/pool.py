@@ -43,6 +43,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from .handles import storage_bytes
 from .host import HostMemory
 from .mover import Mover
 
@@ -55,19 +56,38 @@ class State(enum.Enum):
 
 
 class Entry:
-    __slots__ = ("key", "nbytes", "footprint", "device", "host", "event", "state",
-                 "last_forward_step", "need_steps", "refs", "pool")
+    __slots__ = ("key", "nbytes", "footprint", "device", "saved_view", "writtens", "host",
+                 "event", "state", "last_forward_step", "need_steps", "refs", "pool")
 
-    def __init__(self, pool, key, storage_bytes: torch.Tensor, last_forward_step: int):
+    def __init__(self, pool, key, tensor: torch.Tensor, last_forward_step: int,
+                 view=None):
         self.pool, self.key = pool, key
-        self.device = storage_bytes              # uint8 tensor over the whole storage
-        self.nbytes = storage_bytes.numel()
+        # any tensor over the whole storage: as saved (its view in saved_view, so that a
+        # reader of that view gets it back as is), or the bytes a prefetch brought back
+        self.device, self.saved_view = tensor, view
+        self.writtens: list = []     # savers' Written checks holding these bytes (Rule 7)
+        self.nbytes = tensor.untyped_storage().nbytes()
         self.footprint = pool.footprint(self.nbytes)           # Rule 5
         self.host = self.event = None
         self.state = State.ON_DEVICE
         self.last_forward_step = last_forward_step
         self.need_steps: list = []               # backward steps that will read it
         self.refs = 0
+
+    def adopt(self, written) -> None:
+        """Rule 7: a saver's Written keeps these bytes while the entry holds them as saved,
+        and lets go of them when the entry does (a check costs no copy of a tensor kept)."""
+        if self.saved_view is None:
+            written.forget_bytes()
+        else:
+            self.writtens.append(written)
+
+    def let_go(self) -> None:
+        """The entry holds no device bytes from now on."""
+        for written in self.writtens:
+            written.forget_bytes()
+        self.writtens = []
+        self.device = self.saved_view = None
 
     def next_need(self, step: int) -> int:
         upcoming = [s for s in self.need_steps if s >= step]
@@ -98,16 +118,21 @@ class TensorPool:
         self.exact_device_bytes += nbytes
 
     # -- forward -------------------------------------------------------------------------------
-    def add(self, key, storage_bytes: torch.Tensor, last_forward_step: int) -> Entry:
+    def add(self, key, tensor: torch.Tensor, last_forward_step: int, view=None,
+            written=None) -> Entry:
+        """The entry for ``key``, made from ``tensor`` (any tensor over the storage; ``view``:
+        its view) if there is none; ``written``: the saver's check (Entry.adopt)."""
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = Entry(self, key, storage_bytes, last_forward_step)
+            entry = self.entries[key] = Entry(self, key, tensor, last_forward_step, view)
             self.lru[key] = entry
             self._hold(entry.footprint, entry.nbytes)
         else:
             entry.last_forward_step = max(entry.last_forward_step, last_forward_step)
             if key in self.lru:
                 self.lru.move_to_end(key)
+        if written is not None:
+            entry.adopt(written)
         return entry
 
     def make_room(self, step: int, forward: bool, limit: int | None = None) -> None:
@@ -147,7 +172,7 @@ class TensorPool:
             if self.device_bytes <= limit:
                 break
             self._hold(-entry.footprint, -entry.nbytes)     # mover Rule 2: freed unread
-            entry.device = None
+            entry.let_go()
             entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
             self._waiting = None                 # Rule 2's queue holds it no more
 
@@ -193,9 +218,10 @@ class TensorPool:
 
     def _offload(self, entry: Entry) -> int:
         """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
+        source = storage_bytes(entry.device)     # holds the bytes while the copy reads them
         if entry.host is None:
             entry.host = self.host_memory.alloc(entry.nbytes)
-            entry.event = self.mover.to_host(entry.device, entry.host,
+            entry.event = self.mover.to_host(source, entry.host,
                                              self.host_memory.writes_after())
             self.offloaded_bytes += entry.nbytes
         else:   # the host copy is still valid: saved tensors are not written after saving
@@ -204,11 +230,11 @@ class TensorPool:
         self._waiting = None
         in_flight = 0
         if entry.event is not None:                                      # Rule 4
-            self.draining.append((entry.event, entry.device, entry.footprint))
+            self.draining.append((entry.event, source, entry.footprint))
             in_flight = entry.footprint
         else:
             self._hold(-entry.footprint, -entry.nbytes)
-        entry.device = None
+        entry.let_go()
         entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
         return in_flight
 
@@ -278,10 +304,15 @@ class TensorPool:
         self.lru.pop(entry.key, None)
         if entry.host is not None:
             self.host_memory.release(entry.host, entry.event)
-        entry.device = entry.host = None
+        entry.writtens = []          # their handles are gone with the last reader's
+        entry.device = entry.saved_view = entry.host = None
 
     def clear(self) -> None:
+        """Drop every entry, with handles that may still read them (a step that raised): their
+        checks let go of the bytes too."""
         for entry in list(self.entries.values()):
+            for written in entry.writtens:
+                written.forget_bytes()
             self.release(entry)
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import weakref
 
 import torch
+from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from ..planner import Strategy
@@ -67,16 +68,70 @@ class SegmentRecord:
         self._executor().replay(self, last, wanted)
 
 
+# torch's own batch norms, whose forward is known: in training their output reads the batch's
+# statistics alone and they write the running ones; in eval they write nothing
+_TORCH_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def stand_in(key, real: torch.Tensor, made: dict) -> torch.Tensor:
+    """A tensor like ``real`` for a replay to write instead of it (made once per ``key`` and
+    tensor): zeros, so that a step count read as a number divides by one and up."""
+    seen = made.get(key)
+    if seen is None or seen[0] is not real:
+        seen = made[key] = (real, torch.zeros_like(real))
+    return seen[1]
+
+
+def blind_state(state: list, layers: list) -> set:
+    """Of the written ``state`` (get_attr nodes) a segment's ``layers`` (fx nodes) read, those
+    no output of theirs depends on: read only as the running statistics of a batch norm in
+    training, or written in place by a layer whose result nothing reads (a step count's
+    add_). A replay may give those layers stand-ins: what they write is not kept."""
+    inside = set(layers)
+    return {node for node in state
+            if all(_blind_use(node, use) for use in node.users if use in inside)}
+
+
+def _blind_use(state, use) -> bool:
+    if use.kwargs:
+        return False
+    args = use.args
+    if use.target is torch.ops.aten.batch_norm.default:
+        # (input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn)
+        return len(args) > 5 and args[5] is True and state not in args[:3] and \
+            state not in args[5:]
+    op = getattr(use.target, "__name__", "").split(".")[0]
+    in_place = op.endswith("_") and not op.startswith("__")
+    return in_place and not use.users and bool(args) and args[0] is state and \
+        state not in args[1:]
+
+
 @contextlib.contextmanager
-def restored_buffers(modules: list):
+def restored_buffers(modules: list, stand_ins: dict):
     """Rule 2: a replay must leave running statistics as the first forward left them, their
     version included: a buffer the forward saved for backward is checked for writes since
-    (executor Rule 7), and restoring it is none."""
-    saved = [(b, b.clone()) for m in modules for b in m._buffers.values()   # a module's own
-             if b is not None]
+    (executor Rule 7), and restoring it is none. A torch batch norm in training writes
+    stand-ins instead (``stand_ins``: those made so far, by module): its own buffers are not
+    touched, and nothing is copied (a copy and its restoring cost the host a kernel launch
+    each, per buffer and replay); in eval it writes nothing. Any other module's buffers are
+    copied and put back."""
+    swapped, saved = [], []
+    with torch.no_grad():
+        for module in dict.fromkeys(modules):    # a module called twice in a segment: once
+            if type(module) in _TORCH_BATCH_NORMS:
+                if module.training and module.track_running_stats:
+                    swapped.append((module, dict(module._buffers)))
+                    module._buffers.update({
+                        name: stand_in((module, name), module._buffers[name], stand_ins)
+                        for name in _RUNNING if module._buffers.get(name) is not None})
+                continue
+            saved.extend((b, b.clone()) for b in module._buffers.values() if b is not None)
     try:
         yield
     finally:
+        for module, buffers in swapped:
+            module._buffers.update(buffers)
         with torch.no_grad():
             for buffer, copy in saved:
                 with _unsafe_preserve_version_counter(buffer):

@@ -8,7 +8,7 @@ from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
 from ..units import format_bytes
-from .handles import PoolRef, SlotRef, ValueRef, Written, storage_bytes, view_of
+from .handles import PoolRef, SlotRef, ValueRef, Written, view_of
 from .state import StateRef
 from .workspaces import FitOutOfMemory
 
@@ -112,16 +112,15 @@ class SavedTensors:
             value = by_storage.get(tensor.untyped_storage().data_ptr())
             if value is None:       # a layer's own tensor (pooling indices, batch statistics)
                 if policy is Policy.SUPERNEURONS:
-                    entry = self.pool.add((self.step_id, layer.index, index),
-                                          storage_bytes(tensor), position)
-                    holder[0] = PoolRef(entry, view_of(tensor), step)
-                    holder[1].forget_bytes()
+                    written, view = holder[1], view_of(tensor)
+                    entry = self.pool.add((self.step_id, layer.index, index), written.alias,
+                                          position, view, written)
+                    holder[0] = PoolRef(entry, view, step)
                 continue
             storage = self.graph.values[value].storage
             action = actions[storage]
             if action is Action.OFFLOAD:
-                holder[0] = self._pool_ref(storage, tensor, step)
-                holder[1].forget_bytes()
+                holder[0] = self._pool_ref(storage, tensor, step, written=holder[1])
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
                 holder[0] = ValueRef(record, value, view_of(tensor))
@@ -129,8 +128,12 @@ class SavedTensors:
         self.pending = []
 
     def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,
-                  requires_grad: bool = False) -> PoolRef:
-        """A handle on the pool's one entry for a planned storage (made at its first saver)."""
-        entry = self.pool.add((self.step_id, storage), storage_bytes(tensor),
-                              self.plan.timeline.last_forward_use(storage))
-        return PoolRef(entry, view_of(tensor), step, requires_grad)
+                  requires_grad: bool = False, written: Written | None = None) -> PoolRef:
+        """A handle on the pool's one entry for a planned storage (made at its first saver);
+        ``written``: the saver's check, whose alias of the tensor the entry may keep."""
+        view = view_of(tensor)
+        # an alias without autograd's history: the entry must not keep the graph alive
+        alias = tensor.detach() if written is None else written.alias
+        entry = self.pool.add((self.step_id, storage), alias,
+                              self.plan.timeline.last_forward_use(storage), view, written)
+        return PoolRef(entry, view, step, requires_grad)
