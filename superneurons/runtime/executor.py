@@ -156,6 +156,10 @@ class Executor(RoomKeeping, SavedTensors):
         self.model = self.gm if model is None else model
         self._read_state()
         self.num_layers = len(plan.order)
+        # read per saved tensor (saved.py): looked up once here
+        self.storage_of_value = [v.storage for v in graph.values]
+        self.last_forward_use = [plan.timeline.last_forward_use(s)
+                                 for s in range(len(graph.storages))]
         self.segment_of = {l: s for s in plan.segments for l in s.layers}
         self._liveness(graph)
         self._replay_liveness(graph)

@@ -100,12 +100,14 @@ class SavedTensors:
             self._account(step)
 
     def _resolve(self, layer, position: int, inputs: list, out) -> None:
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = [out] if isinstance(out, torch.Tensor) else \
+            [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         by_storage = {}
         for tensor, value in (*zip(inputs, layer.inputs), *zip(outputs, layer.outputs)):
             by_storage[tensor.untyped_storage().data_ptr()] = value
         step = self.bwd(layer.index)
         actions, policy = self.plan.actions, self.plan.policy
+        storage_of = self.storage_of_value
         for index, holder in enumerate(self.pending):
             tensor = holder[0]
             holder.append(step)                 # the backward step that reads it (_unpack)
@@ -117,7 +119,7 @@ class SavedTensors:
                                           position, view, written)
                     holder[0] = PoolRef(entry, view, step)
                 continue
-            storage = self.graph.values[value].storage
+            storage = storage_of[value]
             action = actions[storage]
             if action is Action.OFFLOAD:
                 holder[0] = self._pool_ref(storage, tensor, step, written=holder[1])
@@ -134,6 +136,6 @@ class SavedTensors:
         view = view_of(tensor)
         # an alias without autograd's history: the entry must not keep the graph alive
         alias = tensor.detach() if written is None else written.alias
-        entry = self.pool.add((self.step_id, storage), alias,
-                              self.plan.timeline.last_forward_use(storage), view, written)
+        entry = self.pool.add((self.step_id, storage), alias, self.last_forward_use[storage],
+                              view, written)
         return PoolRef(entry, view, step, requires_grad)
