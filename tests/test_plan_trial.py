@@ -182,6 +182,26 @@ def test_alternatives_fit_with_nothing_moved_at_more_replay_work():
         assert [s.layers for s in other.segments] != [s.layers for s in chosen.segments]
 
 
+def test_every_block_replayed_as_it_is_is_among_the_alternatives_where_it_fits():
+    """trim.py: the fewest, largest replays (every block, convolutions included) are timed
+    beside the trimmed plans, where replaying every block fits with nothing moved."""
+    from superneurons.planner.policy import CHECKPOINT_KINDS
+    model, x, _ = resnet_and_batch()
+    graph = sn.plan(model, x, policy="liveness").graph
+    floor = plan_graph(graph, "superneurons", machine=OFF_CUDA).peak_bytes
+    budget = (floor + plan_graph(graph, "liveness", machine=OFF_CUDA).peak_bytes) // 2
+    chosen = plan_graph(graph, "superneurons", budget, machine=OFF_CUDA)
+
+    def replayed_convolutions(plan) -> int:
+        return sum(graph.layers[l].kind in CHECKPOINT_KINDS
+                   for s in plan.segments for l in s.layers)
+    most = max((*chosen.alternatives, chosen), key=replayed_convolutions)
+    assert most is not chosen and most.moves_nothing_within(budget)
+    assert replayed_convolutions(most) > max(replayed_convolutions(p) for p in (
+        chosen, *chosen.alternatives) if p is not most)
+    assert len(most.segments) <= len(chosen.segments)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: the trial timed by events, calibrated first"))]
 
