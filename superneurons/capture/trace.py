@@ -542,4 +542,3 @@ def _aliased_when_traced(node: fx.Node) -> bool:
     traced, traced_input = node.meta.get("val"), node.args[0].meta.get("val")
     return (isinstance(traced, torch.Tensor) and isinstance(traced_input, torch.Tensor)
             and torch._C._is_alias_of(traced, traced_input))
-

@@ -2,11 +2,13 @@
 
 Rule 1: a segment's forward keeps nothing autograd saved; it keeps its inputs (kept or pooled),
         the random-number state and the autocast state it ran under, and a copy of the model
-        state it reads that some layer writes in place (a replay must read it as it was).
+        state it reads that some layer writes in place (a replay must read it as it was),
+        except state no output of the segment depends on (blind_state).
 Rule 2: a replay runs the segment's layers again from those inputs with the same random numbers,
         and leaves the model's state as the forward left it (BatchNorm's running statistics move
-        once a step): state read by get_attr is replayed on copies, and the buffers of leaf
-        modules are put back.
+        once a step): state read by get_attr is replayed on copies, or on stand-ins where no
+        output depends on it (a batch norm's statistics in training); a torch batch norm leaf in
+        training writes stand-ins too, and other leaf modules' buffers are put back.
 Rule 3: speed-centric replays once, up to the last layer still needed, and keeps all it makes
         until read; memory-centric replays the prefix one backward layer needs, each time.
 """
