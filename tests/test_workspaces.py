@@ -527,7 +527,6 @@ def test_on_cuda_a_forward_after_a_step_that_moved_data_waits_for_the_compute_st
     moves data the host marks every forward layer, in route order, and waits for the compute
     stream where the pool moves data; a step that moved nothing before runs ahead as PyTorch
     does."""
-    from superneurons.runtime import executor as executor_module
     x = torch.randn(32, 64, 56, 56, device="cuda")
     liveness = sn.plan(_net("cuda"), x, policy="liveness").peak_bytes
     floor = sn.plan(_net("cuda"), x, policy="offload").peak_bytes

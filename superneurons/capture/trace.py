@@ -358,7 +358,7 @@ class Analyzer:
         pattern = self.memo.get(key) if key is not None else None
         if pattern is not None:                                               # Rule 4
             result = pattern.result(tensors)
-            writes_buffers = False                # torch.nn's own modules: see _own_buffers
+            writes_buffers = False      # memoized: a function or torch.nn's own (_own_buffers)
             mutated = list(pattern.mutated)
             scratch, random = pattern.scratch, pattern.random
             written = set()                       # a memoized call reads no model state

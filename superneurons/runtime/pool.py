@@ -65,7 +65,7 @@ class Entry:
         # any tensor over the whole storage: as saved (its view in saved_view, so that a
         # reader of that view gets it back as is), or the bytes a prefetch brought back
         self.device, self.saved_view = tensor, view
-        self.writtens: list = []     # savers' Written checks holding these bytes (Rule 7)
+        self.writtens: list = []     # savers' write checks holding these bytes (executor Rule 7)
         self.nbytes = tensor.untyped_storage().nbytes()
         self.footprint = pool.footprint(self.nbytes)           # Rule 5
         self.host = self.event = None
@@ -75,8 +75,9 @@ class Entry:
         self.refs = 0
 
     def adopt(self, written) -> None:
-        """Rule 7: a saver's Written keeps these bytes while the entry holds them as saved,
-        and lets go of them when the entry does (a check costs no copy of a tensor kept)."""
+        """Executor Rule 7: a saver's Written keeps these bytes while the entry holds them as
+        saved, and lets go of them when the entry does (a check costs no copy of a tensor
+        kept)."""
         if self.saved_view is None:
             written.forget_bytes()
         else:
@@ -218,8 +219,9 @@ class TensorPool:
 
     def _offload(self, entry: Entry) -> int:
         """Start moving ``entry`` to the host; returns the bytes whose copy is now in flight."""
-        source = storage_bytes(entry.device)     # holds the bytes while the copy reads them
+        source = None
         if entry.host is None:
+            source = storage_bytes(entry.device)    # holds the bytes while the copy reads them
             entry.host = self.host_memory.alloc(entry.nbytes)
             entry.event = self.mover.to_host(source, entry.host,
                                              self.host_memory.writes_after())
