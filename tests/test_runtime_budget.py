@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import superneurons as sn
 from superneurons.capture import Kind
-from superneurons.planner.plan import BudgetError
+from superneurons.planner.plan import BudgetError, plan_graph
 from superneurons import models
 from equality import assert_same_training
 
@@ -231,6 +231,48 @@ def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
                                    budget=low + 2 * (high - low) // 5)
     plan, _ = wrapped.plan_for(x)
     assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
+    assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
+
+
+class _WideBlock(torch.nn.Module):
+    """A bottleneck four times wider inside than out: its replay makes far more than its
+    output, so a small budget cuts it at a convolution rather than replaying it whole."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.a, self.bn1 = torch.nn.Conv2d(channels, width, 1), torch.nn.BatchNorm2d(width)
+        self.b, self.bn2 = torch.nn.Conv2d(width, width, 3, padding=1), torch.nn.BatchNorm2d(width)
+        self.c, self.bn3 = torch.nn.Conv2d(width, channels, 1), torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.a(x)))
+        y = torch.relu(self.bn2(self.b(y)))
+        return torch.relu(x + self.bn3(self.c(y)))
+
+
+def test_blocks_cut_at_convolutions_while_the_cache_moves_data_train_exactly():
+    """Where every block replayed whole would set a higher floor than the budget allows, the
+    wide blocks are cut at a convolution (trim.split_blocks): it moves less than the policy's
+    own plan, and trains exactly."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), _WideBlock(8, 32), _WideBlock(8, 32),
+            torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), *[_DropoutBlock(8) for _ in range(4)],
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10),
+            torch.nn.LogSoftmax(1))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    low = sn.plan(net(), x, policy="superneurons").peak_bytes
+    high = sn.plan(net(), x, policy="recompute").peak_bytes
+    wrapped = assert_same_training(net(), x, y, steps=2, policy="superneurons",
+                                   budget=low + 6 * (high - low) // 10)
+    plan, _ = wrapped.plan_for(x)
+    wide = {f"{block}.{conv}" for block in (1, 2) for conv in "abc"}
+    replayed = {plan.graph.layers[l].name for l in plan.segment_of()} & wide
+    assert replayed and replayed != wide          # cut inside, not replayed whole
+    room = plan.budget_bytes                      # the budget less the model's state
+    own = plan_graph(plan.graph, "superneurons", machine=plan.costs.machine)
+    assert plan.bytes_to_move(room) < 0.5 * own.bytes_to_move(room)
     assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
 
 

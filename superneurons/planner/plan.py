@@ -309,8 +309,8 @@ def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> 
     else:
         result = build(policy)
     if budget is not None and result.peak_bytes <= budget and policy.recomputes:
-        def segments_for(keep):
-            return find_segments(graph, order, strategy, costs, keep=keep)
+        def segments_for(keep, offloads=False):
+            return find_segments(graph, order, strategy, costs, offloads=offloads, keep=keep)
         candidates = find_segments(graph, order, strategy, costs, offloads=False)
         result = replay_only_what_the_budget_needs(result, budget, build, candidates,
                                                    segments_for, route_cuts(graph, order))

@@ -13,7 +13,12 @@ replays whose plan fits the budget *with nothing moved*. Two families of plans a
   every block replayed as it is, the fewest and largest replays: a replay costs the host time
   per segment and per layer that the byte model does not see, and checkpointing per block ran
   efficientnet_b0 in bf16 faster than the cheapest plan's many small replays
-  (ratio_efficientnet_b0_bf16_h100_00d224a.json).
+  (ratio_efficientnet_b0_bf16_h100_00d224a.json);
+- blocks split (split_blocks): every block replayed, except that a block whose replay would
+  make more than a given number of bytes is cut at convolutions into pieces that make at most
+  that many, for a ladder of sizes. A whole block's replay holds everything it makes at once,
+  so at a small budget the largest blocks' replays set the floor; cut into pieces, they keep
+  only a few convolution outputs more, where the policy's own plan keeps every one.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
@@ -21,7 +26,10 @@ fits without moving data, the Tensor Cache will move what the budget forces out;
 policy's own plan and the plan replaying every block are weighed by replay time plus the time
 to move what each would move (every rise of its live bytes above the budget, out and back over
 the machine's link): replaying whole blocks keeps far more on the device, so it moves far less
-(ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43).
+(ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43). The split blocks are weighed too, each
+whose floor is no higher than the policy's own plan's or within the share below: at a quarter of
+plain PyTorch's peak they halve what ResNet-50 moves, where every block replayed whole does not
+fit (trim_split_blocks.json).
 """
 
 import dataclasses
@@ -77,15 +85,20 @@ def _usefulness(plan, segment) -> float:
 def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list,
                                       segments_for=None, cuts: set | None = None):
     """``build(policy, segments)`` makes a plan; ``candidates`` are the cheap segments that keep
-    the most on the device; ``segments_for(keep)`` finds segments checkpointing ``keep`` and
-    ``cuts`` are the route's cuts (policy Rule 8), for whole-block plans. Returns the plan with
-    the least replay work among those that fit with nothing moved, else ``plan``."""
+    the most on the device; ``segments_for(keep, offloads=False)`` finds segments checkpointing
+    ``keep`` (with policy Rule 7 where ``offloads``) and ``cuts`` are the route's cuts (policy
+    Rule 8), for whole-block plans. Returns the plan with the least replay work among those
+    that fit with nothing moved, else the one costing least in replay and moving time."""
     tries = [_trim(plan, list(plan.segments), budget, build),
              _trim(plan, candidates, budget, build)]
+    split = []
     if segments_for is not None and cuts:
         trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, build(plan.policy, segments_for(cuts))]
+        split = split_blocks(plan, build, segments_for, cuts)
+        tries.append(min((p for p in split if p.moves_nothing_within(budget)),
+                         key=replay_work, default=None))
     fitting, seen = [], set()
     for option in sorted((t for t in tries if t is not None), key=replay_work):
         if _replays(option) not in seen:
@@ -95,13 +108,67 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         return dataclasses.replace(fitting[0], alternatives=tuple(fitting[1:]))
     options = [plan]            # something must move: the Tensor Cache decides what, when
     if segments_for is not None and cuts:
-        blocks = build(plan.policy, segments_for(cuts))
-        held = sum(s.nbytes for s in blocks.graph.storages if s.creator is None)
-        if blocks.peak_bytes - held <= _BLOCKS_FLOOR_SHARE * budget:
-            options.append(blocks)
+        # replays the pool cannot move: a floor within the share, or no higher than the
+        # policy's own (by less than a page of the pool's, the unit the pool counts in), and
+        # a peak within the budget
+        limit = max(_BLOCKS_FLOOR_SHARE * budget,
+                    _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
+        options += [option for option in [build(plan.policy, segments_for(cuts))] + split
+                    if _floor(option) <= limit and option.peak_bytes <= budget]
     machine = plan.costs.machine
     return min(options, key=lambda option: replay_work(option)
                + machine.move_seconds(option.bytes_to_move(budget)))
+
+
+def _floor(plan) -> int:
+    """The plan's peak less the model's input (exact: its caller holds it)."""
+    return plan.peak_bytes - sum(s.nbytes for s in plan.graph.storages if s.creator is None)
+
+
+def split_blocks(plan, build, segments_for, cuts: set) -> list:
+    """Plans replaying every block, where a block whose replay makes more than a size is cut at
+    convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7) into
+    pieces making at most that size; for sizes from the largest layer's own bytes (no piece
+    is smaller) to the largest block's, each half again the last: a dozen plans, milliseconds
+    each to make."""
+    graph, order = plan.graph, plan.order
+    made = {layer.index: sum(graph.storages[s].nbytes for s in
+                             {graph.values[v].storage for v in layer.outputs}
+                             if graph.storages[s].creator == layer.index)
+            for layer in graph.layers}
+    largest_block, block = 0, 0
+    for layer in order:
+        block = 0 if layer in cuts else block + made[layer]
+        largest_block = max(largest_block, block)
+    plans, size, seen = [], max(made.values(), default=0), set()
+    while 0 < size < largest_block:
+        keep = _split_at_convolutions(graph, order, cuts, made, size)
+        if frozenset(keep) not in seen:
+            seen.add(frozenset(keep))
+            plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
+        size = size * 3 // 2
+    return plans
+
+
+def _split_at_convolutions(graph, order, cuts: set, made: dict, size: int) -> set:
+    """The cuts, and the convolutions (CONV, FC, ATTN) that end a piece of a block wherever the
+    bytes made since the last checkpoint pass ``size``: each cut at the last one passed."""
+    keep = set(cuts)
+    since = after = 0          # bytes made since the last checkpoint; since the last convolution
+    last = None
+    for layer in order:
+        if layer in cuts:
+            since = after = 0
+            last = None
+            continue
+        since += made[layer]
+        after += made[layer]
+        if since > size and last is not None:
+            keep.add(last)
+            since, last = after, None
+        if graph.layers[layer].kind in CHECKPOINT_KINDS:
+            last, after = layer, 0
+    return keep
 
 
 def bytes_to_move(kept_live: list, budget: int) -> int:
