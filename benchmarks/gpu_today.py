@@ -1,9 +1,13 @@
 """Models people train today, on CUDA: exactness against plain PyTorch, and a decoder's speed at
 fractions of plain PyTorch's own peak memory.
 
-    python benchmarks/gpu_today.py exact OUT.json     # efficientnet_b0, convnext_tiny, vit_b_16,
+    python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F]
+                                                      # efficientnet_b0, convnext_tiny, vit_b_16,
                                                       # HF GPT-2: plain-vs-plain control, then
-                                                      # every policy at a budget that forces it
+                                                      # every policy at a budget that forces it:
+                                                      # F of the way from the policy's floor to
+                                                      # the liveness peak (0.5; near 0, data
+                                                      # must move)
     python benchmarks/gpu_today.py ratio OUT.json     # GPT-2 small (12 layers, d 768, seq 1024,
                                                       # batch 16, AdamW) at 0.5 and 0.25 of
                                                       # plain's peak: plain, checkpoint per
@@ -70,17 +74,24 @@ def _train(model, args, kwargs, loss_of, steps=3):
     return losses
 
 
+def _replayed_convolutions(wrapped, args, kwargs) -> int:
+    from superneurons.capture import Kind
+    plan, _ = wrapped.plan_for(*args, **kwargs)
+    return sum(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
+
+
 def _difference(a, b) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k].double() - sb[k].double()).abs().max().item() for k in sa
                if sa[k].is_floating_point()) if sa else 0.0
 
 
-def exact(out: str, names=()) -> None:
+def exact(out: str, names=(), toward: float = 0.5) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda")
-    record = {**environment(), "part": "exact", "complete": False, "models": {}}
+    record = {**environment(), "part": "exact", "toward": toward, "complete": False,
+              "models": {}}
     for name, (build, batch) in _exact_cases(device).items():
         if names and name not in names:
             continue
@@ -101,11 +112,14 @@ def exact(out: str, names=()) -> None:
             try:
                 graph_peak = sn.plan(model, example, policy="liveness", kwargs=kwargs).peak_bytes
                 floor = sn.plan(model, example, policy=policy, kwargs=kwargs).peak_bytes
-                # a budget covers all device memory: add what the other copies here hold
+                # a budget covers all device memory: add what the other copies here hold, and
+                # AdamW's two moments, made by the first step
                 others = torch.cuda.memory_allocated() - sum(
                     t.numel() * t.element_size() for t in (*model.parameters(),
-                                                           *model.buffers()))
-                budget = others + (graph_peak + floor) // 2 if floor < graph_peak else None
+                                                           *model.buffers())) + 2 * sum(
+                    p.numel() * p.element_size() for p in model.parameters())
+                budget = others + floor + int(toward * (graph_peak - floor)) \
+                    if floor < graph_peak else None
                 wrapped = sn.wrap(model, policy=policy, budget=budget)
                 losses = _train(wrapped, args, kwargs, loss_of)
                 stats = wrapped.stats
@@ -114,6 +128,7 @@ def exact(out: str, names=()) -> None:
                     "floor_bytes": floor, "losses_equal": losses == expected,
                     "max_state_difference": _difference(reference, model),
                     "recomputed_layers": stats.recomputed_layers,
+                    "replayed_convolutions": _replayed_convolutions(wrapped, args, kwargs),
                     "offloaded_bytes": stats.offloaded_bytes, "seconds": round(
                         time.perf_counter() - started, 2)}
             except Exception as error:  # noqa: BLE001 -- recorded, the run goes on
@@ -209,7 +224,12 @@ def ratio(out: str) -> None:
 if __name__ == "__main__":
     part = sys.argv[1]
     if part == "exact":
-        exact(sys.argv[2], sys.argv[3:])
+        rest = sys.argv[3:]
+        toward = 0.5
+        if "--toward" in rest:
+            at = rest.index("--toward")
+            toward, rest = float(rest[at + 1]), rest[:at] + rest[at + 2:]
+        exact(sys.argv[2], rest, toward)
     elif part == "ratio":
         ratio(sys.argv[2])
     elif part == "one":
