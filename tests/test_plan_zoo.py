@@ -131,6 +131,30 @@ def test_a_budget_above_the_floor_replays_less_or_whole_blocks():
     assert 0 < split.bytes_to_move(budget) < 0.6 * floor.bytes_to_move(budget)
 
 
+def test_blocks_are_cut_at_convolutions_only_where_their_replays_make_more_than_the_size():
+    from superneurons.planner.policy import CHECKPOINT_KINDS, route_cuts
+    from superneurons.planner.trim import made_bytes, split_at_convolutions
+    plan = plans("resnet50")[Policy.LIVENESS]
+    graph, order = plan.graph, list(plan.order)
+    cuts, made = route_cuts(graph, order), made_bytes(graph)
+    blocks, block = [], []                     # the layers between consecutive cuts
+    for layer in order:
+        if layer in cuts:
+            blocks.append(block)
+            block = []
+        else:
+            block.append(layer)
+    sizes = sorted(sum(made[l] for l in b) for b in blocks)
+    size = sizes[len(sizes) // 2]
+    keep = split_at_convolutions(graph, order, cuts, made, size)
+    added = keep - cuts
+    assert added and all(graph.layers[l].kind in CHECKPOINT_KINDS for l in added)
+    for block in blocks:
+        cut_inside = added & set(block)
+        assert bool(cut_inside) == (sum(made[l] for l in block) > size)
+    assert split_at_convolutions(graph, order, cuts, made, sizes[-1]) == cuts
+
+
 def test_route_cuts_are_block_outputs():
     from superneurons.planner.policy import route_cuts
     graph = plans("resnet50")[Policy.LIVENESS].graph

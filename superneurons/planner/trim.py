@@ -3,7 +3,7 @@
 A recomputing policy without a budget replays every cheap segment: that is its floor. With a
 budget above the floor, some segments can keep their tensors instead. On a modern GPU a replay
 costs compute and a move to the host costs far more (DESIGN.md), so the goal is the cheapest
-replays whose plan fits the budget *with nothing moved*. Two families of plans are tried:
+replays whose plan fits the budget *with nothing moved*. Three families of plans are tried:
 
 - the policy's own segments, and the cheap segments that keep the most on the device (policy
   Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
@@ -18,7 +18,9 @@ replays whose plan fits the budget *with nothing moved*. Two families of plans a
   make more than a given number of bytes is cut at convolutions into pieces that make at most
   that many, for a ladder of sizes. A whole block's replay holds everything it makes at once,
   so at a small budget the largest blocks' replays set the floor; cut into pieces, they keep
-  only a few convolution outputs more, where the policy's own plan keeps every one.
+  only a few convolution outputs more, where the policy's own plan keeps every one. Among the
+  fitting plans only where every block replayed whole does not fit: where it does, the
+  trial's two tries (runtime/trial.py) stay with it and the planner's first choice.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
@@ -94,11 +96,12 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     split = []
     if segments_for is not None and cuts:
         trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
+        split = split_blocks(plan, build, segments_for, cuts)
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, build(plan.policy, segments_for(cuts))]
-        split = split_blocks(plan, build, segments_for, cuts)
-        tries.append(min((p for p in split if p.moves_nothing_within(budget)),
-                         key=replay_work, default=None))
+        else:                                # where it does not, blocks cut may
+            tries.append(min((p for p in split if p.moves_nothing_within(budget)),
+                             key=replay_work, default=None))
     fitting, seen = [], set()
     for option in sorted((t for t in tries if t is not None), key=replay_work):
         if _replays(option) not in seen:
@@ -132,17 +135,14 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     is smaller) to the largest block's, each half again the last: a dozen plans, milliseconds
     each to make."""
     graph, order = plan.graph, plan.order
-    made = {layer.index: sum(graph.storages[s].nbytes for s in
-                             {graph.values[v].storage for v in layer.outputs}
-                             if graph.storages[s].creator == layer.index)
-            for layer in graph.layers}
+    made = made_bytes(graph)
     largest_block, block = 0, 0
     for layer in order:
         block = 0 if layer in cuts else block + made[layer]
         largest_block = max(largest_block, block)
     plans, size, seen = [], max(made.values(), default=0), set()
     while 0 < size < largest_block:
-        keep = _split_at_convolutions(graph, order, cuts, made, size)
+        keep = split_at_convolutions(graph, order, cuts, made, size)
         if frozenset(keep) not in seen:
             seen.add(frozenset(keep))
             plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
@@ -150,7 +150,15 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     return plans
 
 
-def _split_at_convolutions(graph, order, cuts: set, made: dict, size: int) -> set:
+def made_bytes(graph) -> dict:
+    """Layer index -> bytes of the storages it creates (what its replay makes)."""
+    return {layer.index: sum(graph.storages[s].nbytes for s in
+                             {graph.values[v].storage for v in layer.outputs}
+                             if graph.storages[s].creator == layer.index)
+            for layer in graph.layers}
+
+
+def split_at_convolutions(graph, order, cuts: set, made: dict, size: int) -> set:
     """The cuts, and the convolutions (CONV, FC, ATTN) that end a piece of a block wherever the
     bytes made since the last checkpoint pass ``size``: each cut at the last one passed."""
     keep = set(cuts)
