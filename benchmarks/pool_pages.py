@@ -32,21 +32,10 @@ def rounding_at_peak(plan, machine) -> tuple:
 
 
 def row(record_path: str, ratio: float) -> dict:
-    import torch
-    import superneurons as sn
     from superneurons.planner import H200, plan_graph
     from superneurons.planner.costs import OFF_CUDA
-    from ratio import build
-    with open(record_path) as f:
-        record = json.load(f)
-    measured = next(r for r in record["rows"] if r["system"] == "superneurons"
-                    and r["ratio"] == ratio)
-    last = measured["steps"][-1]
-    room = measured["first_step"]["budget_bytes"] - last["foreign_bytes"] - \
-        (last["excess_bytes"] or 0)
-    model, args, kwargs, _ = build(record["model"], "superneurons", torch.device("meta"))
-    autocast = torch.bfloat16 if record["dtype"] == "bf16" else None
-    graph = sn.plan(model, args, policy="liveness", autocast=autocast, kwargs=kwargs).graph
+    from ratio import graph_in_record_room
+    _, graph, room = graph_in_record_room(record_path, ratio)
     by_bytes = plan_graph(graph, "superneurons", room, machine=OFF_CUDA)
     in_pages = plan_graph(graph, "superneurons", room, machine=H200)
     added, held = rounding_at_peak(by_bytes, H200)

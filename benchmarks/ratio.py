@@ -153,6 +153,26 @@ def recorded_plain_peak(name: str, dtype: str) -> int:
     return next(r["peak_allocated_bytes"] for r in rows if r["system"] == "plain" and r["ok"])
 
 
+def graph_in_record_room(record_path: str, ratio: float) -> tuple:
+    """(record, the model's graph as superneurons captured it there, on the meta device, and
+    the room its wrapper had at its last step: its budget less the memory the model did not own
+    and the calibrated excess), for a superneurons row of a stored ratio record: to plan that
+    row again on a machine without a GPU."""
+    import torch
+    import superneurons as sn
+    with open(record_path) as f:
+        record = json.load(f)
+    measured = next(r for r in record["rows"] if r["system"] == "superneurons"
+                    and r["ratio"] == ratio)
+    last = measured["steps"][-1]
+    room = measured["first_step"]["budget_bytes"] - last["foreign_bytes"] - \
+        (last["excess_bytes"] or 0)
+    model, args, kwargs, _ = build(record["model"], "superneurons", torch.device("meta"))
+    autocast = torch.bfloat16 if record["dtype"] == "bf16" else None
+    graph = sn.plan(model, args, policy="liveness", autocast=autocast, kwargs=kwargs).graph
+    return record, graph, room
+
+
 def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -> dict:
     """One system in this process; ``plain_peak`` and ``ratio`` set the cap (none for plain)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -27,24 +27,12 @@ def described(plan, room: int) -> dict:
 
 
 def row(record_path: str, ratio: float) -> dict:
-    import torch
-    import superneurons as sn
-    from superneurons.planner import H200, plan_graph
+    from superneurons.planner import H200, plan_graph, trim
     from superneurons.planner.plan import _build
     from superneurons.planner.policy import Policy, Strategy, find_segments, route_cuts
-    from superneurons.planner import trim
     from superneurons.planner.trim import split_blocks
-    from ratio import build
-    with open(record_path) as f:
-        record = json.load(f)
-    measured = next(r for r in record["rows"] if r["system"] == "superneurons"
-                    and r["ratio"] == ratio)
-    last = measured["steps"][-1]
-    room = measured["first_step"]["budget_bytes"] - last["foreign_bytes"] - \
-        (last["excess_bytes"] or 0)
-    model, args, kwargs, _ = build(record["model"], "superneurons", torch.device("meta"))
-    autocast = torch.bfloat16 if record["dtype"] == "bf16" else None
-    graph = sn.plan(model, args, policy="liveness", autocast=autocast, kwargs=kwargs).graph
+    from ratio import graph_in_record_room
+    record, graph, room = graph_in_record_room(record_path, ratio)
     chosen = plan_graph(graph, "superneurons", room, machine=H200)
     own = plan_graph(graph, "superneurons", machine=H200)
     order = list(own.order)
@@ -54,8 +42,8 @@ def row(record_path: str, ratio: float) -> dict:
         return find_segments(graph, order, strategy, own.costs, offloads=offloads, keep=keep)
 
     def make(policy, segments=None):
-        return _build(graph, order, own.timeline, own.costs, policy, strategy, room,
-                               segments, "device")
+        return _build(graph, order, own.timeline, own.costs, policy, strategy, room, segments,
+                      "device")
     own = make(Policy.SUPERNEURONS)
     cuts = route_cuts(graph, order)
     blocks = make(Policy.SUPERNEURONS, segments_for(cuts))

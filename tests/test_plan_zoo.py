@@ -120,7 +120,7 @@ def test_a_budget_above_the_floor_replays_less_or_whole_blocks():
     tight = plan_graph(graph, "superneurons", budget=(floor.peak_bytes + kept) // 2,
                        machine=OFF_CUDA)
     assert replays_convolutions(tight)
-    assert "CONV in a block replayed whole" in tight.explain()
+    assert "CONV in a replayed block" in tight.explain()
     # just above the floor even whole blocks do not fit and data moves: blocks cut at
     # convolutions where their replays would set a higher floor, moving less than the floor's
     # plan does at no higher a floor (trim.split_blocks)

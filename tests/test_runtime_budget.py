@@ -215,21 +215,28 @@ def test_forward_starts_offloads_ahead_and_trains_exactly(monkeypatch):
     assert any(when_early[k] < when_late[k] for k in when_late)
 
 
-def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
-    """Below what any plan needs with nothing moved, replaying every block still keeps the most
-    on the device (planner trim.py): its block outputs go to the host and back, exactly."""
+def _trained_toward_recompute(blocks, share: float):
+    """A network of a stem convolution, ``blocks()`` and a classifier head, trained 2 steps
+    under superneurons, exactly as plain PyTorch, with a budget ``share`` of the way from the
+    policy's floor to what recompute needs (every checkpoint kept): (wrapper, its plan)."""
     def net():
         torch.manual_seed(0)
         return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 8, 3, padding=1), *[_DropoutBlock(8) for _ in range(10)],
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10),
-            torch.nn.LogSoftmax(1))
+            torch.nn.Conv2d(3, 8, 3, padding=1), *blocks(), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(8, 10), torch.nn.LogSoftmax(1))
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     low = sn.plan(net(), x, policy="superneurons").peak_bytes
     high = sn.plan(net(), x, policy="recompute").peak_bytes
     wrapped = assert_same_training(net(), x, y, steps=2, policy="superneurons",
-                                   budget=low + 2 * (high - low) // 5)
-    plan, _ = wrapped.plan_for(x)
+                                   budget=low + int(share * (high - low)))
+    return wrapped, wrapped.plan_for(x)[0]
+
+
+def test_whole_blocks_replayed_while_the_cache_moves_data_train_exactly():
+    """Below what any plan needs with nothing moved, replaying every block still keeps the most
+    on the device (planner trim.py): its block outputs go to the host and back, exactly."""
+    wrapped, plan = _trained_toward_recompute(
+        lambda: [_DropoutBlock(8) for _ in range(10)], 0.4)
     assert any(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
     assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
 
@@ -254,19 +261,9 @@ def test_blocks_cut_at_convolutions_while_the_cache_moves_data_train_exactly():
     """Where every block replayed whole would set a higher floor than the budget allows, the
     wide blocks are cut at a convolution (trim.split_blocks): it moves less than the policy's
     own plan, and trains exactly."""
-    def net():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 8, 3, padding=1), _WideBlock(8, 32), _WideBlock(8, 32),
-            torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), *[_DropoutBlock(8) for _ in range(4)],
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10),
-            torch.nn.LogSoftmax(1))
-    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
-    low = sn.plan(net(), x, policy="superneurons").peak_bytes
-    high = sn.plan(net(), x, policy="recompute").peak_bytes
-    wrapped = assert_same_training(net(), x, y, steps=2, policy="superneurons",
-                                   budget=low + 6 * (high - low) // 10)
-    plan, _ = wrapped.plan_for(x)
+    wrapped, plan = _trained_toward_recompute(lambda: [
+        _WideBlock(8, 32), _WideBlock(8, 32), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        *[_DropoutBlock(8) for _ in range(4)]], 0.6)
     wide = {f"{block}.{conv}" for block in (1, 2) for conv in "abc"}
     replayed = {plan.graph.layers[l].name for l in plan.segment_of()} & wide
     assert replayed and replayed != wide          # cut inside, not replayed whole

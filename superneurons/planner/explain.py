@@ -6,8 +6,9 @@ from .policy import CHECKPOINT_KINDS, Action
 
 def _reason(plan, layer, segment) -> str:
     if segment is not None:
-        whole = any(plan.graph.layers[l].kind in CHECKPOINT_KINDS for l in segment.layers)
-        what = f"{layer.kind} in a block replayed whole" if whole else f"cheap {layer.kind}"
+        block = any(plan.graph.layers[l].kind in CHECKPOINT_KINDS for l in segment.layers)
+        what = f"{layer.kind} in a replayed block (or piece of one)" if block else \
+            f"cheap {layer.kind}"
         return (f"{what}: dropped after forward, replayed from segment {segment.index}'s "
                 f"inputs ({segment.strategy})")
     if not plan.policy.recomputes:

@@ -96,10 +96,10 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     split = []
     if segments_for is not None and cuts:
         trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
-        split = split_blocks(plan, build, segments_for, cuts)
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, build(plan.policy, segments_for(cuts))]
         else:                                # where it does not, blocks cut may
+            split = split_blocks(plan, build, segments_for, cuts)
             tries.append(min((p for p in split if p.moves_nothing_within(budget)),
                              key=replay_work, default=None))
     fitting, seen = [], set()
