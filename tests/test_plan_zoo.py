@@ -146,13 +146,16 @@ def test_blocks_are_cut_at_convolutions_only_where_their_replays_make_more_than_
             block.append(layer)
     sizes = sorted(sum(made[l] for l in b) for b in blocks)
     size = sizes[len(sizes) // 2]
-    keep = split_at_convolutions(graph, order, cuts, made, size)
-    added = keep - cuts
-    assert added and all(graph.layers[l].kind in CHECKPOINT_KINDS for l in added)
-    for block in blocks:
-        cut_inside = added & set(block)
-        assert bool(cut_inside) == (sum(made[l] for l in block) > size)
-    assert split_at_convolutions(graph, order, cuts, made, sizes[-1]) == cuts
+    cut = {}
+    for smallest in (False, True):
+        added = split_at_convolutions(graph, order, cuts, made, size, smallest) - cuts
+        assert added and all(graph.layers[l].kind in CHECKPOINT_KINDS for l in added)
+        for block in blocks:
+            cut_inside = added & set(block)
+            assert bool(cut_inside) == (sum(made[l] for l in block) > size)
+        assert split_at_convolutions(graph, order, cuts, made, sizes[-1], smallest) == cuts
+        cut[smallest] = sum(made[l] for l in added)
+    assert cut[True] < cut[False]     # at a bottleneck's narrow convolutions, not its widening one
 
 
 def test_route_cuts_are_block_outputs():

@@ -131,9 +131,10 @@ def _floor(plan) -> int:
 def split_blocks(plan, build, segments_for, cuts: set) -> list:
     """Plans replaying every block, where a block whose replay makes more than a size is cut at
     convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7) into
-    pieces making at most that size; for sizes from the largest layer's own bytes (no piece
-    is smaller) to the largest block's, each half again the last: a dozen plans, milliseconds
-    each to make."""
+    pieces making at most that size, cut at the last convolution passed or at the smallest
+    (split_at_convolutions); for sizes from the largest layer's own bytes (no piece is
+    smaller) to the largest block's, each half again the last: a few dozen plans at most,
+    milliseconds each to make."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -142,10 +143,11 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         largest_block = max(largest_block, block)
     plans, size, seen = [], max(made.values(), default=0), set()
     while 0 < size < largest_block:
-        keep = split_at_convolutions(graph, order, cuts, made, size)
-        if frozenset(keep) not in seen:
-            seen.add(frozenset(keep))
-            plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
+        for smallest in (False, True):
+            keep = frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest))
+            if keep not in seen:
+                seen.add(keep)
+                plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
         size = size * 3 // 2
     return plans
 
@@ -158,24 +160,28 @@ def made_bytes(graph) -> dict:
             for layer in graph.layers}
 
 
-def split_at_convolutions(graph, order, cuts: set, made: dict, size: int) -> set:
+def split_at_convolutions(graph, order, cuts: set, made: dict, size: int,
+                          smallest: bool = False) -> set:
     """The cuts, and the convolutions (CONV, FC, ATTN) that end a piece of a block wherever the
-    bytes made since the last checkpoint pass ``size``: each cut at the last one passed."""
+    bytes made since the last checkpoint pass ``size``: each cut at the last one passed since
+    (the longest pieces), or with ``smallest`` at the one of them whose output is smallest (the
+    fewest bytes kept)."""
     keep = set(cuts)
-    since = after = 0          # bytes made since the last checkpoint; since the last convolution
-    last = None
+    since, passed = 0, []      # bytes made since the last checkpoint; [conv, bytes since it]
     for layer in order:
         if layer in cuts:
-            since = after = 0
-            last = None
+            since, passed = 0, []
             continue
         since += made[layer]
-        after += made[layer]
-        if since > size and last is not None:
-            keep.add(last)
-            since, last = after, None
+        for entry in passed:
+            entry[1] += made[layer]
+        if since > size and passed:
+            at = min(passed, key=lambda entry: made[entry[0]]) if smallest else passed[-1]
+            keep.add(at[0])
+            since = at[1]
+            passed = [entry for entry in passed if entry[1] < since]
         if graph.layers[layer].kind in CHECKPOINT_KINDS:
-            last, after = layer, 0
+            passed.append([layer, 0])
     return keep
 
 
