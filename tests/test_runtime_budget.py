@@ -267,7 +267,7 @@ def test_blocks_cut_at_convolutions_while_the_cache_moves_data_train_exactly():
     wide = {f"{block}.{conv}" for block in (1, 2) for conv in "abc"}
     replayed = {plan.graph.layers[l].name for l in plan.segment_of()} & wide
     assert replayed and replayed != wide          # cut inside, not replayed whole
-    room = plan.budget_bytes                      # the budget less the model's state
+    room = plan.budget_bytes                      # what the plan was made within
     own = plan_graph(plan.graph, "superneurons", machine=plan.costs.machine)
     assert plan.bytes_to_move(room) < 0.5 * own.bytes_to_move(room)
     assert wrapped.stats.offloaded_bytes > 0 and wrapped.stats.peak_bytes <= plan.budget_bytes
