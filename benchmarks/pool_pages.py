@@ -51,12 +51,9 @@ def row(record_path: str, ratio: float) -> dict:
 def main():
     sys.path.insert(0, HERE)
     from common import write
-    rows = []
-    for spec in sys.argv[2:]:
-        path, ratio = spec.rsplit(":", 1)
-        rows.append(row(path, float(ratio)))
-        print(json.dumps(rows[-1]), flush=True)
-    write(os.path.join(sys.argv[1], "pool_pages.json"), {"rows": rows})
+    from ratio import rows_of_records
+    write(os.path.join(sys.argv[1], "pool_pages.json"),
+          {"rows": rows_of_records(sys.argv[2:], row)})
 
 
 if __name__ == "__main__":

@@ -173,6 +173,18 @@ def graph_in_record_room(record_path: str, ratio: float) -> tuple:
     return record, graph, room
 
 
+def rows_of_records(specs: list, row, shown=None) -> list:
+    """``row(path, ratio)`` for each RECORD:RATIO of ``specs``, each printed as it comes (its
+    ``shown`` keys, or all)."""
+    rows = []
+    for spec in specs:
+        path, ratio = spec.rsplit(":", 1)
+        rows.append(row(path, float(ratio)))
+        print(json.dumps({k: v for k, v in rows[-1].items() if shown is None or k in shown}),
+              flush=True)
+    return rows
+
+
 def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -> dict:
     """One system in this process; ``plain_peak`` and ``ratio`` set the cap (none for plain)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -63,12 +63,9 @@ def row(record_path: str, ratio: float) -> dict:
 def main():
     sys.path.insert(0, HERE)
     from common import write
-    rows = []
-    for spec in sys.argv[2:]:
-        path, ratio = spec.rsplit(":", 1)
-        rows.append(row(path, float(ratio)))
-        print(json.dumps({k: rows[-1][k] for k in ("model", "dtype", "ratio", "chosen",
-                                                   "chosen_before")}), flush=True)
+    from ratio import rows_of_records
+    rows = rows_of_records(sys.argv[2:], row,
+                           ("model", "dtype", "ratio", "chosen", "chosen_before"))
     write(os.path.join(sys.argv[1], "trim_split_blocks.json"), {"rows": rows})
 
 
