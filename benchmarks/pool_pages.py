@@ -11,7 +11,6 @@ RECORD is a results/ratio_*.json file. Writes OUT_DIR/pool_pages.json.
 """
 
 import dataclasses
-import json
 import os
 import sys
 

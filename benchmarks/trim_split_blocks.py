@@ -11,7 +11,6 @@ step; and the plan chosen with no split plans to weigh, as the planner chose bef
 OUT_DIR/trim_split_blocks.json.
 """
 
-import json
 import os
 import sys
 
