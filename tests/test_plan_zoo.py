@@ -158,6 +158,32 @@ def test_blocks_are_cut_at_convolutions_only_where_their_replays_make_more_than_
     assert cut[True] < cut[False]     # at a bottleneck's narrow convolutions, not its widening one
 
 
+def test_a_cut_plan_is_chosen_only_where_it_moves_less_than_the_policys_own():
+    graph = plans("densenet_cifar")[Policy.LIVENESS].graph
+    own = plan_graph(graph, "superneurons", machine=OFF_CUDA)
+    # budgets where a cut plan moving more at a higher peak would win on replay time alone
+    for share in (1.48, 1.68):
+        budget = int(own.peak_bytes * share)
+        chosen = plan_graph(graph, "superneurons", budget=budget, machine=OFF_CUDA)
+        assert chosen.bytes_to_move(budget) <= own.bytes_to_move(budget)
+
+
+def test_the_ladder_of_sizes_ends_where_layers_make_a_byte_each(monkeypatch):
+    from superneurons.planner import trim
+    plan = plans("resnet")[Policy.SUPERNEURONS]
+    monkeypatch.setattr(trim, "made_bytes", lambda graph: {l.index: 1 for l in graph.layers})
+    sizes, split_at_convolutions = [], trim.split_at_convolutions
+
+    def counted(graph, order, cuts, made, size, smallest=False):
+        assert len(sizes) < 1000, "the ladder of sizes does not end"
+        sizes.append(size)
+        return split_at_convolutions(graph, order, cuts, made, size, smallest)
+    monkeypatch.setattr(trim, "split_at_convolutions", counted)
+    trim.split_blocks(plan, lambda policy, segments: segments,
+                      lambda keep, offloads=False: keep, {plan.order[-1]})
+    assert sizes and sizes[-1] > 1
+
+
 def test_route_cuts_are_block_outputs():
     from superneurons.planner.policy import route_cuts
     graph = plans("resnet50")[Policy.LIVENESS].graph

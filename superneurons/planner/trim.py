@@ -25,13 +25,14 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
 fits without moving data, the Tensor Cache will move what the budget forces out; then the
-policy's own plan and the plan replaying every block are weighed by replay time plus the time
-to move what each would move (every rise of its live bytes above the budget, out and back over
-the machine's link): replaying whole blocks keeps far more on the device, so it moves far less
-(ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43). The split blocks are weighed too, each
-whose floor is no higher than the policy's own plan's or within the share below: at a quarter of
-plain PyTorch's peak they halve what ResNet-50 moves, where every block replayed whole does not
-fit (trim_split_blocks.json).
+policy's own plan, the plan replaying every block and the split blocks are weighed by replay
+time plus the time to move what each would move (every rise of its live bytes above the budget,
+out and back over the machine's link). Replaying whole blocks keeps far more on the device, so
+it moves far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43); at a quarter of
+plain PyTorch's peak, where every block replayed whole does not fit, the split blocks halve what
+ResNet-50 moves (trim_split_blocks.json). Each but the policy's own plan is weighed only where
+its peak is within the budget and its floor is no higher than the own plan's (within a pool
+page) or within the share below, and a split one only where it moves less than the own plan.
 """
 
 import dataclasses
@@ -41,13 +42,14 @@ from .policy import CHECKPOINT_KINDS, Policy, Strategy
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
 # device) should not turn "nothing moves" into a few evictions: keep 3% of the budget spare
 PLANNED_SHARE = 0.97
-# when data must move, a plan replaying every block is taken only if its floor fills at most this
-# share of the budget: its replays hold whole blocks the pool cannot move, and real use has
-# exceeded a floor's prediction by up to 1.42x on the GPU (BENCHMARKS.md), so 1 / 1.42; near its
-# largest batch a network keeps the policy's own, smaller floor. The model's input is left out of
-# the floor here: it is exact (its caller holds it), not what real use exceeds plans by, and the
-# share was set before plans held it (ResNet-50 b500 within 11.5 GiB would otherwise flip from
-# replaying every block, 9 GiB to move a step, to cheap replays and 51; planner_costs.json)
+# when data must move, a plan replaying every block (whole or split) is taken only if its floor
+# is no higher than the policy's own or fills at most this share of the budget: its replays hold
+# whole blocks the pool cannot move, and real use has exceeded a floor's prediction by up to
+# 1.42x on the GPU (BENCHMARKS.md), so 1 / 1.42; near its largest batch a network keeps the
+# policy's own, smaller floor. The model's input is left out of the floor here: it is exact
+# (its caller holds it), not what real use exceeds plans by, and the share was set before plans
+# held it (ResNet-50 b500 within 11.5 GiB would otherwise flip from replaying every block, 9 GiB
+# to move a step, to cheap replays and 51; planner_costs.json)
 _BLOCKS_FLOOR_SHARE = 0.7
 
 
@@ -116,6 +118,10 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         # a peak within the budget
         limit = max(_BLOCKS_FLOOR_SHARE * budget,
                     _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
+        # a cut plan is there to move less than the policy's own: one moving more would win
+        # only on replay time, at a higher peak
+        own_moves = plan.bytes_to_move(budget)
+        split = [option for option in split if option.bytes_to_move(budget) < own_moves]
         options += [option for option in [build(plan.policy, segments_for(cuts))] + split
                     if _floor(option) <= limit and option.peak_bytes <= budget]
     machine = plan.costs.machine
@@ -130,11 +136,12 @@ def _floor(plan) -> int:
 
 def split_blocks(plan, build, segments_for, cuts: set) -> list:
     """Plans replaying every block, where a block whose replay makes more than a size is cut at
-    convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7) into
-    pieces making at most that size, cut at the last convolution passed or at the smallest
-    (split_at_convolutions); for sizes from the largest layer's own bytes (no piece is
-    smaller) to the largest block's, each half again the last: a few dozen plans at most,
-    milliseconds each to make."""
+    convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7),
+    cut at the last convolution passed or at the smallest (split_at_convolutions); for sizes
+    from the largest layer's own bytes to the largest block's, each half again the last. A
+    stretch with no convolution is not cut, so a piece may make more than its size. A few
+    dozen plans at most, but each a full plan: where whole blocks do not fit, they about
+    triple the planning of a deep graph."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -148,7 +155,7 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
             if keep not in seen:
                 seen.add(keep)
                 plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
-        size = size * 3 // 2
+        size = max(size + 1, size * 3 // 2)
     return plans
 
 
@@ -165,7 +172,7 @@ def split_at_convolutions(graph, order, cuts: set, made: dict, size: int,
     """The cuts, and the convolutions (CONV, FC, ATTN) that end a piece of a block wherever the
     bytes made since the last checkpoint pass ``size``: each cut at the last one passed since
     (the longest pieces), or with ``smallest`` at the one of them whose output is smallest (the
-    fewest bytes kept)."""
+    fewest bytes kept). Where none was passed since, the piece grows until one is."""
     keep = set(cuts)
     since, passed = 0, []      # bytes made since the last checkpoint; [conv, bytes since it]
     for layer in order:
@@ -179,7 +186,7 @@ def split_at_convolutions(graph, order, cuts: set, made: dict, size: int,
             at = min(passed, key=lambda entry: made[entry[0]]) if smallest else passed[-1]
             keep.add(at[0])
             since = at[1]
-            passed = [entry for entry in passed if entry[1] < since]
+            passed = passed[passed.index(at) + 1:]
         if graph.layers[layer].kind in CHECKPOINT_KINDS:
             passed.append([layer, 0])
     return keep
