@@ -74,10 +74,13 @@ def _train(model, args, kwargs, loss_of, steps=3):
     return losses
 
 
-def _replayed_convolutions(wrapped, args, kwargs) -> int:
-    from superneurons.capture import Kind
+def _replayed(wrapped, args, kwargs) -> dict:
+    """Layers of each checkpoint kind (CONV, FC, ATTN) the plan replays: whole blocks or
+    pieces of them."""
+    from superneurons.planner.policy import CHECKPOINT_KINDS
     plan, _ = wrapped.plan_for(*args, **kwargs)
-    return sum(plan.graph.layers[l].kind is Kind.CONV for l in plan.segment_of())
+    kinds = [plan.graph.layers[l].kind for l in plan.segment_of()]
+    return {kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS}
 
 
 def _difference(a, b) -> float:
@@ -128,7 +131,7 @@ def exact(out: str, names=(), toward: float = 0.5) -> None:
                     "floor_bytes": floor, "losses_equal": losses == expected,
                     "max_state_difference": _difference(reference, model),
                     "recomputed_layers": stats.recomputed_layers,
-                    "replayed_convolutions": _replayed_convolutions(wrapped, args, kwargs),
+                    "replayed_checkpoint_kinds": _replayed(wrapped, args, kwargs),
                     "offloaded_bytes": stats.offloaded_bytes, "seconds": round(
                         time.perf_counter() - started, 2)}
             except Exception as error:  # noqa: BLE001 -- recorded, the run goes on

@@ -29,10 +29,12 @@ Rule 6: "offload" sends CONV outputs to the host, as the paper does; "superneuro
         model's input stays: its caller holds it through the step.
 Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: the checkpoints are
         then the route's cuts, the layers after which a single storage is live (a ResNet block's
-        output), the last of each run of consecutive cuts. On a GPU whose arithmetic outruns its
-        host link many times over, replaying a block costs less than moving its tensors. A
-        segment that replays a CONV, FC or ATTN is speed-centric under the cost-aware strategy (a
-        memory-centric replay would run its convolutions once per backward layer).
+        output) besides the model's inputs and what lives across most of the route (a
+        decoder's attention mask), the last of each run of consecutive cuts; a replay reads
+        those, kept. On a GPU whose arithmetic outruns its host link many times over,
+        replaying a block costs less than moving its tensors. A segment that replays a CONV,
+        FC or ATTN is speed-centric under the cost-aware strategy (a memory-centric replay
+        would run its convolutions once per backward layer).
 """
 
 import enum
@@ -115,7 +117,11 @@ class Segment:
 
 
 def route_cuts(graph: LayerGraph, order: list) -> set:
-    """Rule 8: the last layer of each run of layers after which one storage alone is live."""
+    """Rule 8: the last layer of each run of layers after which one storage alone is live,
+    besides the ambient ones: the model's inputs (its caller holds them: a decoder's labels,
+    read by its loss at the end) and what stays live across more than half of the route (a
+    decoder's attention mask and rotary tables, read by every block). A segment between two
+    cuts is replayed from the one storage and the ambient ones, which it reads, kept."""
     n = len(order)
     pos = {layer: p for p, layer in enumerate(order)}
     first, last = {}, {}
@@ -131,7 +137,8 @@ def route_cuts(graph: LayerGraph, order: list) -> set:
     delta = [0] * (n + 1)
     for storage, end in last.items():
         begin = max(first.get(storage, 0), 0)
-        if end > begin:                           # live across positions begin .. end - 1
+        ambient = graph.storages[storage].creator is None or end - begin > n / 2
+        if end > begin and not ambient:           # live across positions begin .. end - 1
             delta[begin] += 1
             delta[end] -= 1
     live, is_cut = 0, []

@@ -18,9 +18,12 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
   make more than a given number of bytes is cut at convolutions into pieces that make at most
   that many, for a ladder of sizes. A whole block's replay holds everything it makes at once,
   so at a small budget the largest blocks' replays set the floor; cut into pieces, they keep
-  only a few convolution outputs more, where the policy's own plan keeps every one. Among the
-  fitting plans only where every block replayed whole does not fit: where it does, the
-  trial's two tries (runtime/trial.py) stay with it and the planner's first choice.
+  only a few convolution outputs more, where the policy's own plan keeps every one. Above the
+  largest block's size, consecutive blocks are merged instead: where something else sets the
+  floor (a decoder's logits and its loss), longer replays cost no peak and keep fewer block
+  outputs. Among the fitting plans only where every block replayed whole does not fit: where
+  it does, the trial's two tries (runtime/trial.py) stay with it and the planner's first
+  choice.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
@@ -139,9 +142,12 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7),
     cut at the last convolution passed or at the smallest (split_at_convolutions); for sizes
     from the largest layer's own bytes to the largest block's, each half again the last. A
-    stretch with no convolution is not cut, so a piece may make more than its size. A few
-    dozen plans at most, but each a full plan: where whole blocks do not fit, they about
-    triple the planning of a deep graph."""
+    stretch with no convolution is not cut, so a piece may make more than its size. Above the
+    largest block's size, consecutive blocks are merged into pieces of at most the size
+    (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
+    replaying two blocks at once costs no peak and keeps half the checkpoints. A few dozen
+    plans at most, but each a full plan: where whole blocks do not fit, they about triple the
+    planning of a deep graph."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -149,14 +155,36 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         block = 0 if layer in cuts else block + made[layer]
         largest_block = max(largest_block, block)
     plans, size, seen = [], max(made.values(), default=0), set()
+
+    def add(keep: frozenset) -> None:
+        if keep not in seen:
+            seen.add(keep)
+            plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
     while 0 < size < largest_block:
         for smallest in (False, True):
-            keep = frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest))
-            if keep not in seen:
-                seen.add(keep)
-                plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
+            add(frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest)))
         size = max(size + 1, size * 3 // 2)
+    while 0 < size < sum(made.values()) and len(cuts) > 1:
+        add(frozenset(merge_blocks(order, cuts, made, size)))
+        size = size * 3 // 2
     return plans
+
+
+def merge_blocks(order, cuts: set, made: dict, size: int) -> set:
+    """The cuts that end pieces of consecutive blocks (the route between cuts) making at most
+    ``size`` bytes each, a block larger than that a piece of its own: each piece ends at the
+    last cut before it would pass the size. The route's last cut is always kept."""
+    keep, since, last_cut = set(), 0, None
+    for layer in order:
+        since += made[layer]
+        if layer in cuts:
+            if since > size and last_cut is not None:
+                keep.add(last_cut)
+                since -= since_last_cut
+            last_cut, since_last_cut = layer, since
+    if last_cut is not None:
+        keep.add(last_cut)
+    return keep
 
 
 def made_bytes(graph) -> dict:

@@ -1,0 +1,63 @@
+"""Blocks of decoders (policy Rule 8's cuts beside the storages every block reads) and blocks
+merged into longer replays (trim.merge_blocks), planned on the CPU."""
+
+import pytest
+import torch
+
+from superneurons.planner import plan_graph
+from superneurons.planner.costs import OFF_CUDA
+from superneurons.planner.plan import captured_step
+from superneurons.planner.policy import CHECKPOINT_KINDS, route_cuts
+from superneurons.planner.trim import merge_blocks
+import today_models
+
+
+def _cut_names(build) -> list:
+    model, args, kwargs, _ = build()
+    graph = captured_step(model, args, kwargs=kwargs, device_type="cpu")
+    order = list(plan_graph(graph, "liveness").order)
+    return [graph.layers[layer].name for layer in route_cuts(graph, order)]
+
+
+@pytest.mark.parametrize("build, blocks", [
+    ("build_hf_llama", "model.layers.{}."), ("build_nanogpt", "transformer.h.{}:")])
+def test_a_decoders_blocks_are_cut_beside_its_mask_rotary_tables_and_labels(build, blocks):
+    """Every block reads the attention mask (and Llama's rotary tables) and the loss reads the
+    labels at the end: with those counted, no point of the route had one storage alone live."""
+    if build.startswith("build_hf"):
+        pytest.importorskip("transformers")
+    names = _cut_names(getattr(today_models, build))
+    for block in range(2):
+        assert any(name.startswith(blocks.format(block)) for name in names), names
+
+
+def test_blocks_are_merged_into_pieces_making_at_most_the_size():
+    order, cuts = list(range(10)), {1, 3, 5, 7, 9}        # five blocks of two layers
+    made = {layer: 1 + layer % 2 for layer in order}     # each block makes 3 bytes
+    assert merge_blocks(order, cuts, made, 3) == cuts                 # none merged
+    assert merge_blocks(order, cuts, made, 6) == {3, 7, 9}            # two and two and one
+    assert merge_blocks(order, cuts, made, 9) == {5, 9}
+    assert merge_blocks(order, cuts, made, 2) == cuts      # a block above the size stays whole
+    assert merge_blocks(order, cuts, made, 100) == {9}     # the route's last cut is kept
+
+
+def test_where_the_lm_head_sets_the_floor_blocks_merged_fit_with_nothing_moved():
+    """A decoder whose logits outweigh its blocks: keeping every block's output does not fit
+    just above the floor, but replaying two or more blocks at once costs no peak and keeps
+    fewer of them, so nothing moves."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=2048, n_positions=64, n_embd=32, n_layer=6,
+                                     n_head=2)
+    ids = torch.randint(0, config.vocab_size, (4, 64))
+    graph = captured_step(transformers.GPT2LMHeadModel(config).train(), (),
+                          kwargs=dict(input_ids=ids, labels=ids, use_cache=False),
+                          device_type="cpu")
+    floor = plan_graph(graph, "superneurons", machine=OFF_CUDA).peak_bytes
+    liveness = plan_graph(graph, "liveness", machine=OFF_CUDA).peak_bytes
+    budget = floor + (liveness - floor) * 3 // 40
+    plan = plan_graph(graph, "superneurons", budget, machine=OFF_CUDA)
+    cuts = route_cuts(graph, list(plan.order))
+    assert plan.bytes_to_move(budget) == 0
+    assert len(plan.segments) < len(cuts)
+    assert any(graph.layers[layer].kind in CHECKPOINT_KINDS for layer in plan.segment_of())
