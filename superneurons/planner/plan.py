@@ -312,8 +312,9 @@ def _plan_graph(graph: LayerGraph, policy, budget, strategy, state, machine) -> 
         def segments_for(keep, offloads=False):
             return find_segments(graph, order, strategy, costs, offloads=offloads, keep=keep)
         candidates = find_segments(graph, order, strategy, costs, offloads=False)
+        cut_sets = (route_cuts(graph, order, ambient=False), route_cuts(graph, order))
         result = replay_only_what_the_budget_needs(result, budget, build, candidates,
-                                                   segments_for, route_cuts(graph, order))
+                                                   segments_for, cut_sets)
     if budget is not None and result.peak_bytes > budget:
         smallest = result
         if policy is not Policy.SUPERNEURONS:

@@ -116,12 +116,14 @@ class Segment:
     strategy: Strategy     # speed- or memory-centric, as chosen for this segment
 
 
-def route_cuts(graph: LayerGraph, order: list) -> set:
+def route_cuts(graph: LayerGraph, order: list, ambient: bool = True) -> set:
     """Rule 8: the last layer of each run of layers after which one storage alone is live,
-    besides the ambient ones: the model's inputs (its caller holds them: a decoder's labels,
+    with ``ambient`` besides the model's inputs (its caller holds them: a decoder's labels,
     read by its loss at the end) and what stays live across more than half of the route (a
     decoder's attention mask and rotary tables, read by every block). A segment between two
-    cuts is replayed from the one storage and the ambient ones, which it reads, kept."""
+    cuts is replayed from the one storage and the ambient ones, which it reads, kept. Where
+    a long skip or an early output is ambient so, the strict cuts may be the better blocks:
+    the planner weighs both (planner/trim.py)."""
     n = len(order)
     pos = {layer: p for p, layer in enumerate(order)}
     first, last = {}, {}
@@ -137,8 +139,8 @@ def route_cuts(graph: LayerGraph, order: list) -> set:
     delta = [0] * (n + 1)
     for storage, end in last.items():
         begin = max(first.get(storage, 0), 0)
-        ambient = graph.storages[storage].creator is None or end - begin > n / 2
-        if end > begin and not ambient:           # live across positions begin .. end - 1
+        aside = ambient and (graph.storages[storage].creator is None or end - begin > n / 2)
+        if end > begin and not aside:             # live across positions begin .. end - 1
             delta[begin] += 1
             delta[end] -= 1
     live, is_cut = 0, []

@@ -90,21 +90,23 @@ def _usefulness(plan, segment) -> float:
 
 
 def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list,
-                                      segments_for=None, cuts: set | None = None):
+                                      segments_for=None, cut_sets: tuple = ()):
     """``build(policy, segments)`` makes a plan; ``candidates`` are the cheap segments that keep
     the most on the device; ``segments_for(keep, offloads=False)`` finds segments checkpointing
-    ``keep`` (with policy Rule 7 where ``offloads``) and ``cuts`` are the route's cuts (policy
-    Rule 8), for whole-block plans. Returns the plan with the least replay work among those
-    that fit with nothing moved, else the one costing least in replay and moving time."""
+    ``keep`` (with policy Rule 7 where ``offloads``) and ``cut_sets`` are the route's cuts
+    (policy Rule 8), strict and beside ambient storages, for whole-block plans from each.
+    Returns the plan with the least replay work among those that fit with nothing moved, else
+    the one costing least in replay and moving time."""
     tries = [_trim(plan, list(plan.segments), budget, build),
              _trim(plan, candidates, budget, build)]
-    split = []
-    if segments_for is not None and cuts:
+    blocks, split = [], []                   # every block replayed, and blocks cut or merged
+    for cuts in ([] if segments_for is None else _distinct(cut_sets)):
+        blocks.append(build(plan.policy, segments_for(cuts)))
         trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
         if trimmed is not None:              # then every block replayed fits too
-            tries += [trimmed, build(plan.policy, segments_for(cuts))]
+            tries += [trimmed, blocks[-1]]
         else:                                # where it does not, blocks cut may
-            split = split_blocks(plan, build, segments_for, cuts)
+            split += split_blocks(plan, build, segments_for, cuts)
             tries.append(min((p for p in split if p.moves_nothing_within(budget)),
                              key=replay_work, default=None))
     fitting, seen = [], set()
@@ -114,22 +116,29 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
             fitting.append(option)
     if fitting:      # the others are tried on the machine (runtime/trial.py)
         return dataclasses.replace(fitting[0], alternatives=tuple(fitting[1:]))
-    options = [plan]            # something must move: the Tensor Cache decides what, when
-    if segments_for is not None and cuts:
-        # replays the pool cannot move: a floor within the share, or no higher than the
-        # policy's own (by less than a page of the pool's, the unit the pool counts in), and
-        # a peak within the budget
-        limit = max(_BLOCKS_FLOOR_SHARE * budget,
-                    _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
-        # a cut plan is there to move less than the policy's own: one moving more would win
-        # only on replay time, at a higher peak
-        own_moves = plan.bytes_to_move(budget)
-        split = [option for option in split if option.bytes_to_move(budget) < own_moves]
-        options += [option for option in [build(plan.policy, segments_for(cuts))] + split
-                    if _floor(option) <= limit and option.peak_bytes <= budget]
+    # something must move: the Tensor Cache decides what, when. Replays the pool cannot move
+    # are weighed where their floor is within the share, or no higher than the policy's own
+    # (by less than a page of the pool's, the unit the pool counts in), and their peak within
+    # the budget; a cut plan where it moves less than the policy's own: one moving more would
+    # win only on replay time, at a higher peak
+    limit = max(_BLOCKS_FLOOR_SHARE * budget,
+                _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
+    own_moves = plan.bytes_to_move(budget)
+    split = [option for option in split if option.bytes_to_move(budget) < own_moves]
+    options = [plan] + [option for option in blocks + split
+                        if _floor(option) <= limit and option.peak_bytes <= budget]
     machine = plan.costs.machine
     return min(options, key=lambda option: replay_work(option)
                + machine.move_seconds(option.bytes_to_move(budget)))
+
+
+def _distinct(cut_sets) -> list:
+    """The non-empty cut sets, each once, in order."""
+    distinct = []
+    for cuts in cut_sets:
+        if cuts and cuts not in distinct:
+            distinct.append(cuts)
+    return distinct
 
 
 def _floor(plan) -> int:
@@ -164,9 +173,11 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         for smallest in (False, True):
             add(frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest)))
         size = max(size + 1, size * 3 // 2)
-    while 0 < size < sum(made.values()) and len(cuts) > 1:
+    last_cut = max((p for p, layer in enumerate(order) if layer in cuts), default=-1)
+    up_to_last_cut = sum(made[layer] for layer in order[:last_cut + 1])   # what merging spans
+    while 0 < size < up_to_last_cut and len(cuts) > 1:
         add(frozenset(merge_blocks(order, cuts, made, size)))
-        size = size * 3 // 2
+        size = max(size + 1, size * 3 // 2)
     return plans
 
 
