@@ -155,8 +155,8 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
     replaying two blocks at once costs no peak and keeps half the checkpoints. A few dozen
-    plans at most, but each a full plan: where whole blocks do not fit, they about triple the
-    planning of a deep graph."""
+    plans at most, but each a full plan: where whole blocks do not fit, they take several
+    times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's blocks")."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -184,7 +184,9 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
 def merge_blocks(order, cuts: set, made: dict, size: int) -> set:
     """The cuts that end pieces of consecutive blocks (the route between cuts) making at most
     ``size`` bytes each, a block larger than that a piece of its own: each piece ends at the
-    last cut before it would pass the size. The route's last cut is always kept."""
+    last cut before it would pass the size. The stretch before the first cut is a block; the
+    layers after the last cut (a head) are left to the policy's own replays, and that cut is
+    always kept."""
     keep, since, last_cut = set(), 0, None
     for layer in order:
         since += made[layer]
