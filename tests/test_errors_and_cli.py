@@ -71,11 +71,13 @@ def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
 
 def test_cli_plan_within_a_budget_says_what_replays_and_moves(capsys):
     assert main(["plan", "resnet50", "--batch", "280", "--budget", "11.5GiB"]) == 0
-    assert re.search(r"\d+ blocks or pieces of blocks\), nothing moved", capsys.readouterr().out)
+    assert re.search(r"\d+ replays of whole, cut or merged blocks\), nothing moved",
+                     capsys.readouterr().out)
     # under bf16 autocast the same batch needs a few cheap replays, no whole block
     assert main(["plan", "resnet50", "--batch", "280", "--budget", "11.5GiB", "--bf16"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 autocast" in out and "(0 blocks or pieces of blocks), nothing moved" in out
+    assert "bf16 autocast" in out
+    assert "(0 replays of whole, cut or merged blocks), nothing moved" in out
     assert main(["plan", "resnet50", "--batch", "500", "--budget", "11.5GiB"]) == 0
     assert "the cache moves about" in capsys.readouterr().out
     assert main(["plan", "resnet50", "--batch", "2000", "--budget", "11.5GiB"]) == 2

@@ -80,8 +80,8 @@ def run(args) -> None:
                      if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in s.layers))
         moved = chosen.bytes_to_move()
         print(f"within {format_bytes(chosen.budget_bytes)}: policy {chosen.policy}, "
-              f"{chosen.num_extra_computations} layers replayed ({blocks} blocks or pieces of "
-              f"blocks), "
+              f"{chosen.num_extra_computations} layers replayed ({blocks} replays of whole, cut "
+              f"or merged blocks), "
               + (f"the cache moves about {format_bytes(moved)} a step to the host and back"
                  if moved else "nothing moved"))
     if args.explain:

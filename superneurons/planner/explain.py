@@ -7,7 +7,7 @@ from .policy import CHECKPOINT_KINDS, Action
 def _reason(plan, layer, segment) -> str:
     if segment is not None:
         block = any(plan.graph.layers[l].kind in CHECKPOINT_KINDS for l in segment.layers)
-        what = f"{layer.kind} in a replayed block (or piece of one)" if block else \
+        what = f"{layer.kind} in a replayed block (whole, cut or merged)" if block else \
             f"cheap {layer.kind}"
         return (f"{what}: dropped after forward, replayed from segment {segment.index}'s "
                 f"inputs ({segment.strategy})")
