@@ -106,8 +106,9 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, blocks[-1]]
         else:                                # where it does not, blocks cut may
-            split += split_blocks(plan, build, segments_for, cuts)
-            tries.append(min((p for p in split if p.moves_nothing_within(budget)),
+            cut = split_blocks(plan, build, segments_for, cuts)
+            split += cut
+            tries.append(min((p for p in cut if p.moves_nothing_within(budget)),
                              key=replay_work, default=None))
     fitting, seen = [], set()
     for option in sorted((t for t in tries if t is not None), key=replay_work):
