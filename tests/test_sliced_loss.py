@@ -10,32 +10,55 @@ import torch.nn.functional as F
 
 import superneurons as sn
 from superneurons.capture import sliced_loss
-from superneurons.capture.sliced_loss import sliced_cross_entropy, sliced_cross_entropy_loss
+from superneurons.capture.sliced_loss import (sliced_cast_cross_entropy_loss,
+                                              sliced_cross_entropy, sliced_cross_entropy_loss)
 
 transformers = pytest.importorskip("transformers")
 
 
-def _logits(rows: int, classes: int, device, dtype=torch.float32):
+def _logits(rows: int, classes: int, device, dtype=torch.float32, ignore_index=-100):
     generator = torch.Generator().manual_seed(rows + classes)
     logits = (4 * torch.randn(rows, classes, generator=generator)).to(device, dtype)
     target = torch.randint(0, classes, (rows,), generator=generator).to(device)
-    target[::7] = -100                                           # ignored rows
+    target[::7] = ignore_index                                   # ignored rows
     return logits.requires_grad_(), target
 
 
 @pytest.mark.parametrize("rows, classes", [(300, 1001), (256, 64), (131, 50)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_sliced_backward_gives_plain_bits(rows, classes, reduction, device):
-    """Odd class counts put rows at every alignment; 300 rows leave a short last slice."""
-    logits, target = _logits(rows, classes, device)
-    plain = F.cross_entropy(logits, target, reduction=reduction)
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_sliced_loss_gives_plain_bits(rows, classes, reduction, ignore_index, device):
+    """Odd class counts put rows at every alignment; 300 rows leave a short last slice. An
+    ignore_index of 0 moves the forward's gathered column (Rule 1)."""
+    logits, target = _logits(rows, classes, device, ignore_index=ignore_index)
+    plain = F.cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
     (plain_grad,) = torch.autograd.grad(plain, logits)
-    ours = sliced_cross_entropy(logits, target, reduction=reduction)
+    ours = sliced_cross_entropy(logits, target, reduction=reduction, ignore_index=ignore_index)
     assert type(ours.grad_fn).__name__ == "_SlicedCrossEntropyBackward"
     (our_grad,) = torch.autograd.grad(ours, logits)
     assert torch.equal(plain, ours) and torch.equal(plain_grad, our_grad)
-    aten = sliced_cross_entropy_loss(logits, target, None, {"mean": 1, "sum": 2}[reduction])
+    aten = sliced_cross_entropy_loss(logits, target, None, {"mean": 1, "sum": 2}[reduction],
+                                     ignore_index)
     assert torch.equal(plain, aten)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_a_cast_for_the_loss_alone_is_made_per_slice(dtype, ignore_index, device):
+    """Rule 5: a cross-entropy of logits.float().view(-1, classes) takes the logits as they
+    are; their gradient comes back in their dtype, to the bit, under autocast or not."""
+    logits, target = _logits(300, 1001, device, dtype, ignore_index)
+    logits = logits.detach().view(3, 100, 1001).requires_grad_()
+    for autocast in (False, True):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            plain = F.cross_entropy(logits.float().view(-1, 1001), target,
+                                    ignore_index=ignore_index)
+            ours = sliced_cast_cross_entropy_loss(logits, [-1, 1001], target, None, 1,
+                                                  ignore_index)
+        assert type(ours.grad_fn).__name__ == "_SlicedCrossEntropyBackward"
+        (plain_grad,), (our_grad,) = (torch.autograd.grad(loss, logits) for loss in (plain, ours))
+        assert our_grad.dtype == dtype
+        assert torch.equal(plain, ours) and torch.equal(plain_grad, our_grad)
 
 
 @pytest.mark.parametrize("case", ["label smoothing", "class weights", "bf16", "3-d", "few rows",
@@ -190,6 +213,40 @@ def test_the_loss_layer_holds_two_logits_not_three():
     assert plan.peak_bytes < original.peak_bytes
 
 
+def test_half_logits_cast_for_the_loss_are_never_whole_in_float32():
+    """Rule 5 in a model kept in bf16 (no autocast): the layer holds the bf16 logits and their
+    bf16 gradient, and slices' float32 temporaries, not a float32 copy of the logits."""
+    kwargs = _tokens()
+    logits_bytes, slice_bytes = 2 * 128 * 1000 * 2, sliced_loss.ROW_ALIGNMENT * 1000 * 4
+    plans = {sliced: sn.plan(_gpt2().to(torch.bfloat16), (), "superneurons", kwargs=kwargs,
+                             device_type="cpu", slice_loss=sliced) for sliced in (True, False)}
+    loss = next(layer for layer in plans[True].graph.layers if "cross_entropy" in layer.name)
+    assert loss.node.target is sliced_cast_cross_entropy_loss
+    assert plans[True].costs.forward[loss.index] < logits_bytes + 2 * slice_bytes + 8192
+    assert plans[True].costs.backward[loss.index] < 2 * logits_bytes + 3 * slice_bytes + 8192
+    assert plans[True].peak_bytes < plans[False].peak_bytes - 2 * logits_bytes
+
+
+def test_a_decoder_kept_in_bf16_trains_as_plain_pytorch_within_a_budget():
+    """Rule 5 in training: HF GPT-2 with bf16 weights, its loss on logits.float(), 3 AdamW
+    steps at a budget between superneurons' floor and the liveness peak, bit for bit."""
+    call = _tokens()
+    build = lambda: _gpt2().to(torch.bfloat16)                       # noqa: E731
+    floor, liveness = (sn.plan(build(), (), policy, kwargs=call, device_type="cpu").peak_bytes
+                       for policy in ("superneurons", "liveness"))
+    plain = _train(build, call, lambda m: m, "cpu", False)
+    wrapped = {}
+
+    def wrap(model):
+        wrapped["module"] = sn.wrap(model, policy="superneurons", budget=(floor + liveness) // 2)
+        return wrapped["module"]
+    ours = _train(build, call, wrap, "cpu", False)
+    plan = wrapped["module"]._last[0]
+    assert any(layer.node.target is sliced_cast_cross_entropy_loss for layer in plan.graph.layers)
+    assert plan.num_extra_computations > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours))
+
+
 def _nanogpt(dropout=0.1):
     """dropout 0 is nanoGPT's default: its attention then runs the fused kernel whose output's
     layout on the device differs from the meta one's (capture/aten.py, with_traced_layout)."""
@@ -248,7 +305,10 @@ def test_decoders_train_as_plain_pytorch(model, policy, bf16, device, monkeypatc
         return wrapped["module"]
     ours = _train(build, copy.deepcopy(call), wrap, device, bf16)
     plan = wrapped["module"]._last[0]                        # the plan the steps ran
-    assert any(layer.node.target in (sliced_cross_entropy_loss, sliced_cross_entropy)
-               for layer in plan.graph.layers)
+    losses = [layer.node.target for layer in plan.graph.layers
+              if layer.node.target in sliced_loss.SLICED_LOSSES]
+    # Rule 5: HF's float32 copy of its bf16 logits is made per slice, never whole
+    cast = model == "hf gpt2" and bf16
+    assert losses == [sliced_cast_cross_entropy_loss if cast else losses[0]]
     assert bool(sliced_runs) == (model == "hf gpt2" or not bf16 or device == "cpu")
     assert all(torch.equal(a, b) for a, b in zip(plain, ours))

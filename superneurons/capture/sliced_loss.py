@@ -1,28 +1,37 @@
-"""A language model's loss layer with its backward sliced over rows: the same bits, in the
-memory of two logits instead of three.
+"""A language model's loss layer sliced over rows: the same bits, in the memory of the logits
+and their gradient alone.
 
 A cross-entropy over a vocabulary is often a model's largest layer: GPT-2 small at 16 x 1,024
-tokens has 3.07 GiB of fp32 logits, and plain PyTorch's backward holds three such tensors at once
-(the saved log-softmax, its gradient and the logits' gradient), which sets the floor no plan can
-go below. Here the layer keeps its logits instead of their log-softmax, and its backward walks
-the rows in slices: the log-softmax of a slice again, its gradient, and the logits' gradient
-written into one full buffer.
+tokens has 3.07 GiB of fp32 logits. Plain PyTorch's forward makes their log-softmax beside them,
+its backward holds three such tensors at once (the saved log-softmax, its gradient and the
+logits' gradient), and a model whose logits are half precision upcasts them for the loss first
+(HF's losses: logits.float()), keeping a float32 copy through the step. That sets the floor no
+plan can go below. Here the layer keeps its logits, as the model made them, and walks the rows
+in slices both ways: in forward each slice's log-softmax gives up the log-probabilities of its
+targets, which one reduction over the rows sums as the whole loss would; in backward each
+slice's log-softmax is made again, then its gradient and the logits' gradient, written into
+one full buffer.
 
-Rule 1: exact. The forward runs the kernels aten.cross_entropy_loss runs (_log_softmax, then
-        nll_loss_forward), whole. The backward runs the kernels autograd runs
-        (nll_loss_backward, _log_softmax_backward_data) on slices of rows: each computes a row
-        from that row alone (its reductions run over the classes), with the whole loss's
-        total_weight, and a slice is a view at the row's own address, so a row's arithmetic,
-        down to its vector alignment, is the one a whole-tensor call gives it. Slices start at
-        multiples of ROW_ALIGNMENT rows so that the buffers made for a slice have the row
-        alignments the whole tensor's rows have.
+Rule 1: exact. The kernels are those plain PyTorch runs: _log_softmax, nll_loss_forward,
+        nll_loss_backward, _log_softmax_backward_data, and the casts. Each computes a row from
+        that row alone (its reductions run over the classes), and a slice is a view at the
+        row's own address, so a row's arithmetic, down to its vector alignment, is the one a
+        whole-tensor call gives it. Slices start at multiples of ROW_ALIGNMENT rows so that
+        the buffers made for a slice have the row alignments the whole tensor's rows have.
+        The loss itself is nll_loss_forward over the targets' log-probabilities gathered into
+        one column (a copy): the kernel reads a row's target entry alone, and its sum over the
+        rows runs in an order set by the row count, not the class count (the CPU's cascade,
+        CUDA's threads striding over rows). The backward uses the whole loss's total_weight.
+        A cast to float32 is exact, and its backward's cast back rounds each element alone:
+        made per slice, both give the whole tensor's bits.
 Rule 2: only the plain case is sliced: contiguous 2-D logits in float32, or in half precision
         where autocast runs the whole loss in float32 (the CPU's autocast; then cast as it
         casts, its backward casting back; capture's AutocastOnMeta counts as autocast, so plan
         and step agree; CUDA's autocast runs the log-softmax in half precision, a computation
-        this form does not make),
-        integer targets, no class weights, no label smoothing, reduction "mean" or "sum", at
-        least two slices' rows. Any other call runs the original operation as it is.
+        this form does not make), or half-precision logits the graph casts to float32 for the
+        loss alone (Rule 5), integer targets, no class weights, no label smoothing, reduction
+        "mean" or "sum", at least two slices' rows. Any other call runs the original
+        operations as they are.
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
         penalty), or one after the logits were written in place, is a RuntimeError saying to
         wrap with slice_loss=False. Plain PyTorch sums the loss's gradient and the penalty's at
@@ -34,6 +43,10 @@ Rule 3: a backward that builds a graph through the layer (create_graph=True: a g
         Function.
 Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or autocast region
         of an exported graph (its own submodule) runs as it is, and is planned so.
+Rule 5: a cross-entropy whose logits are a view of a cast to float32 that nothing else reads
+        (HF's logits.float().view(-1, vocab)) takes the cast's source: a half-precision source
+        is cast slice by slice, and its gradient comes back in its own dtype, so neither the
+        float32 copy nor its float32 gradient is ever whole.
 """
 
 import torch
@@ -43,7 +56,8 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy
 
-__all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "ROW_ALIGNMENT"]
+__all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "ROW_ALIGNMENT",
+           "sliced_cast_cross_entropy_loss"]
 
 SLICES = 16                  # a slice's two temporaries: at most 1/8 of the logits' bytes
 # slices start at multiples of this many rows: an fp32 row's offset is then a multiple of 256
@@ -58,11 +72,25 @@ MODIFIED_INPLACE = ("one of the variables needed for gradient computation has be
 
 
 class _SlicedCrossEntropy(torch.autograd.Function):
+    """The loss of 2-D ``logits`` whose float32 form the layer reads slice by slice (Rule 1):
+    float32 logits, or half-precision ones cast per slice (Rule 5), their gradient returned
+    in their own dtype."""
+
     @staticmethod
     def forward(ctx, logits, target, reduction: int, ignore_index: int):
-        log_probs = torch.ops.aten._log_softmax.default(logits, 1, False)
+        ignored = target == ignore_index
+        chosen = torch.where(ignored, 0, target).long().unsqueeze(1)
+        picks = logits.new_empty(logits.shape[0], dtype=torch.float32)
+        for start, stop in _slices(logits.shape[0]):
+            log_probs = _log_softmax(logits[start:stop])
+            picks[start:stop] = log_probs.gather(1, chosen[start:stop]).squeeze(1)
+            del log_probs
+        # Rule 1: the targets' log-probabilities in the column of a class no ignored row names
+        column = 0 if ignore_index != 0 else 1
+        picked = logits.new_zeros((logits.shape[0], column + 1), dtype=torch.float32)
+        picked[:, column] = picks
         loss, total_weight = torch.ops.aten.nll_loss_forward.default(
-            log_probs, target, None, reduction, ignore_index)
+            picked, torch.where(ignored, target, column), None, reduction, ignore_index)
         ctx.save_for_backward(logits, target, total_weight)
         ctx.reduction, ctx.ignore_index = reduction, ignore_index
         return loss
@@ -87,14 +115,24 @@ class _SlicedCrossEntropy(torch.autograd.Function):
                 "Wrap the model with slice_loss=False for that.")
         grad = torch.empty_like(logits)
         for start, stop in _slices(logits.shape[0]):
-            log_probs = torch.ops.aten._log_softmax.default(logits[start:stop], 1, False)
+            log_probs = _log_softmax(logits[start:stop])
             grad_log_probs = torch.ops.aten.nll_loss_backward.default(
                 grad_loss, log_probs, target[start:stop], None, ctx.reduction,
                 ctx.ignore_index, total_weight)
-            torch.ops.aten._log_softmax_backward_data.out(
-                grad_log_probs, log_probs, 1, logits.dtype, out=grad[start:stop])
+            if grad.dtype == torch.float32:
+                torch.ops.aten._log_softmax_backward_data.out(
+                    grad_log_probs, log_probs, 1, torch.float32, out=grad[start:stop])
+            else:                                         # Rule 5: the cast's backward, per slice
+                grad[start:stop] = torch.ops.aten._log_softmax_backward_data.default(
+                    grad_log_probs, log_probs, 1, torch.float32)
             del log_probs, grad_log_probs
         return grad, None, None, None
+
+
+def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
+    """The float32 log-softmax of ``rows``, cast to float32 first where they are half
+    precision (Rule 5: as the whole cast would)."""
+    return torch.ops.aten._log_softmax.default(rows.to(torch.float32), 1, False)
 
 
 def _slices(rows: int) -> list:
@@ -113,12 +151,13 @@ def _autocast_runs_it_in_float32(kind: str) -> bool:
                for mode in _get_current_function_mode_stack())
 
 
-def _sliceable(logits, target, weight, label_smoothing, reduction) -> bool:
-    """Rule 2."""
+def _sliceable(logits, target, weight, label_smoothing, reduction, cast=False) -> bool:
+    """Rule 2; ``cast``: the graph casts half-precision logits to float32 for this loss alone
+    (Rule 5)."""
     return (isinstance(logits, torch.Tensor) and logits.dim() == 2
             and (logits.dtype == torch.float32
                  or logits.dtype in (torch.bfloat16, torch.float16)
-                 and _autocast_runs_it_in_float32(logits.device.type))
+                 and (cast or _autocast_runs_it_in_float32(logits.device.type)))
             and logits.is_contiguous()
             and isinstance(target, torch.Tensor)
             and target.dim() == 1 and not target.is_floating_point() and weight is None
@@ -127,7 +166,8 @@ def _sliceable(logits, target, weight, label_smoothing, reduction) -> bool:
 
 
 def _run(logits, target, reduction: int, ignore_index: int):
-    logits = logits.to(torch.float32)               # autocast's cast, where Rule 2 let it in
+    """Half-precision logits go in as they are: the layer casts them per slice, as autocast or
+    the graph's cast would cast them whole (Rules 1 and 5)."""
     kind = logits.device.type
     if not torch.amp.is_autocast_available(kind):     # the meta device, while capturing
         return _SlicedCrossEntropy.apply(logits, target, reduction, ignore_index)
@@ -154,19 +194,60 @@ def sliced_cross_entropy(input, target, weight=None, size_average=None, ignore_i
                            reduction, label_smoothing)
 
 
+def sliced_cast_cross_entropy_loss(source, shape, target, weight=None, reduction=1,
+                                   ignore_index=-100, label_smoothing=0.0):
+    """aten.cross_entropy_loss.default of source.to(torch.float32).view(shape), where nothing
+    else reads the cast or the view (Rule 5)."""
+    if source.is_contiguous():
+        logits = source.view(shape)
+        if _sliceable(logits, target, weight, label_smoothing, reduction, cast=True):
+            return _run(logits, target, reduction, ignore_index)
+    return torch.ops.aten.cross_entropy_loss.default(
+        source.to(torch.float32).view(shape), target, weight, reduction, ignore_index,
+        label_smoothing)
+
+
 _SLICED = {torch.ops.aten.cross_entropy_loss.default: sliced_cross_entropy_loss,
            F.cross_entropy: sliced_cross_entropy}
-SLICED_LOSSES = frozenset(_SLICED.values())
+SLICED_LOSSES = frozenset((*_SLICED.values(), sliced_cast_cross_entropy_loss))
 
 
 def slice_losses(gm: fx.GraphModule) -> int:
     """Point every cross-entropy call of ``gm`` at its sliced form (which runs the original
-    where Rule 2 does not hold); the number of calls changed."""
+    where Rule 2 does not hold), taking the source of a cast only it reads (Rule 5); the
+    number of calls changed."""
     changed = 0
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SLICED:
             node.target = _SLICED[node.target]
             changed += 1
+            cast = _cast_for_the_loss_alone(node)
+            if cast is not None:
+                view = node.args[0]
+                node.target = sliced_cast_cross_entropy_loss
+                node.args = (cast.args[0], view.args[1], *node.args[1:])
+                gm.graph.erase_node(view)
+                gm.graph.erase_node(cast)
     if changed:
         gm.recompile()
     return changed
+
+
+def _cast_for_the_loss_alone(loss: fx.Node):
+    """Rule 5: the node casting to float32 whose one reader is a view whose one reader is
+    ``loss`` (an exported aten.cross_entropy_loss), else None."""
+    view = loss.args[0]
+    if loss.target is not sliced_cross_entropy_loss or not _only_read_by(view, loss) or \
+            view.target is not torch.ops.aten.view.default:
+        return None
+    cast = view.args[0]
+    if not _only_read_by(cast, view) or cast.target is not torch.ops.aten.to.dtype or \
+            len(cast.args) != 2 or cast.args[1] is not torch.float32 or \
+            any(cast.kwargs.values()):          # non_blocking, copy, memory_format: defaults
+        return None
+    return cast
+
+
+def _only_read_by(node, reader: fx.Node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and \
+        list(node.users) == [reader] and list(reader.args).count(node) == 1
