@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import superneurons as sn
+from superneurons.capture import sliced_loss
 from superneurons import models
 from superneurons.capture import capture
 from test_runtime_cases import Traps
@@ -122,6 +123,30 @@ class _CastsItsLogits(nn.Module):
         logits = self.head(self.embed(ids))
         loss = nn.functional.cross_entropy(logits.float().view(-1, 50), labels.view(-1))
         return loss, logits.view(-1, 50) if self.viewed else logits
+
+
+def test_a_cast_the_loss_alone_reads_is_planned_above_the_step_where_the_trace_cannot_tell():
+    """sliced_loss.py Rule 5 with trace.py Rule 7: traced under a real autocast, the float32
+    copy HF-style logits are cast into for the loss alone is made per slice (the layer takes
+    the bf16 logits); traced on the meta device, the cast may be what the model returns, so
+    both stay, and every policy's plan there is at or above the real one."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32))   # 128 rows
+    meta = capture(_CastsItsLogits(), (ids.to("meta"), labels.to("meta")),
+                   ("cpu", torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = capture(_CastsItsLogits(), (ids, labels), ("cpu", torch.bfloat16))
+    def loss_of(graph):
+        return next(layer.node.target for layer in graph.layers
+                    if layer.node.target in sliced_loss.SLICED_LOSSES)
+    assert loss_of(real) is sliced_loss.sliced_cast_cross_entropy_loss
+    assert loss_of(meta) is sliced_loss.sliced_cross_entropy_loss
+    for policy in ("recompute", "superneurons", "liveness"):
+        planned, ran = (sn.planner.plan_graph(graph, policy) for graph in (meta, real))
+        assert planned.peak_bytes >= ran.peak_bytes, policy
+    bf16_logits = 4 * 32 * 50 * 2         # at least that much below: the copy is never whole
+    assert sn.planner.plan_graph(meta, "liveness").peak_bytes >= \
+        sn.planner.plan_graph(real, "liveness").peak_bytes + bf16_logits
 
 
 class _ReturnsItsCast(nn.Module):

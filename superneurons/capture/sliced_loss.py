@@ -245,6 +245,13 @@ def _cast_for_the_loss_alone(loss: fx.Node):
             len(cast.args) != 2 or cast.args[1] is not torch.float32 or \
             any(cast.kwargs.values()):          # non_blocking, copy, memory_format: defaults
         return None
+    # as traced: a half-precision source and rows enough to slice, else the graph stays as
+    # it is (a float32 model's cast returns its input: nothing to save)
+    source, rows = cast.args[0].meta.get("val"), view.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(rows, torch.Tensor) or \
+            source.dtype not in (torch.bfloat16, torch.float16) or rows.dim() != 2 or \
+            rows.shape[0] <= ROW_ALIGNMENT:
+        return None
     return cast
 
 
