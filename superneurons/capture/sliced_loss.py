@@ -250,7 +250,7 @@ def _cast_for_the_loss_alone(loss: fx.Node):
     source, rows = cast.args[0].meta.get("val"), view.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(rows, torch.Tensor) or \
             source.dtype not in (torch.bfloat16, torch.float16) or rows.dim() != 2 or \
-            rows.shape[0] <= ROW_ALIGNMENT:
+            not isinstance(rows.shape[0], int) or rows.shape[0] <= ROW_ALIGNMENT:
         return None
     return cast
 
