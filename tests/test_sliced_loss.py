@@ -62,7 +62,8 @@ def test_a_cast_for_the_loss_alone_is_made_per_slice(dtype, ignore_index, device
 
 
 @pytest.mark.parametrize("case", ["label smoothing", "class weights", "bf16", "3-d", "few rows",
-                                  "no reduction", "float targets", "transposed", "empty"])
+                                  "no reduction", "float targets", "transposed", "empty",
+                                  "byte targets", "targets not one per row"])
 def test_other_calls_run_the_original_operation(case):
     logits, target = _logits(256, 10, "cpu")
     kwargs = {}
@@ -83,8 +84,19 @@ def test_other_calls_run_the_original_operation(case):
         logits = logits.detach().t().contiguous().t().requires_grad_()
     elif case == "empty":
         logits, target = logits[:0], target[:0]
+    elif case == "byte targets":
+        target = target.clamp(min=0).to(torch.uint8)
+    elif case == "targets not one per row":
+        target = target[:-1]
     else:
         target = F.softmax(torch.randn(256, 10), dim=1)
+    if case == "targets not one per row":            # plain PyTorch's own error
+        with pytest.raises(ValueError, match="batch_size") as plain:
+            F.cross_entropy(logits, target)
+        with pytest.raises(ValueError, match="batch_size") as ours:
+            sliced_cross_entropy(logits, target)
+        assert str(ours.value) == str(plain.value)
+        return
     ours = sliced_cross_entropy(logits, target, **kwargs)
     assert type(ours.grad_fn).__name__ != "_SlicedCrossEntropyBackward"
     torch.testing.assert_close(ours, F.cross_entropy(logits, target, **kwargs), rtol=0, atol=0,
@@ -225,6 +237,32 @@ def test_half_logits_cast_for_the_loss_are_never_whole_in_float32():
     assert plans[True].costs.forward[loss.index] < logits_bytes + 2 * slice_bytes + 8192
     assert plans[True].costs.backward[loss.index] < 2 * logits_bytes + 3 * slice_bytes + 8192
     assert plans[True].peak_bytes < plans[False].peak_bytes - 2 * logits_bytes
+
+
+class _ReadsItsCastTwice(torch.nn.Module):
+    """bf16 logits cast to float32 for the loss, the cast (or its view) also returned."""
+
+    def __init__(self, returns: str):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.returns = returns
+
+    def forward(self, ids, labels):
+        cast = self.head(self.embed(ids)).float()
+        flat = cast.view(-1, 50)
+        loss = F.cross_entropy(flat, labels.view(-1))
+        return loss, cast if self.returns == "cast" else flat
+
+
+@pytest.mark.parametrize("returns", ["cast", "view"])
+def test_a_cast_read_besides_the_loss_stays_whole(returns):
+    """Rule 5 takes a cast only the loss reads: one the model also returns is left as it is."""
+    ids = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+    plan = sn.plan(_ReadsItsCastTwice(returns).to(torch.bfloat16), (ids, ids), "superneurons",
+                   device_type="cpu")
+    targets = [layer.node.target for layer in plan.graph.layers]
+    assert sliced_cross_entropy_loss in targets
+    assert sliced_cast_cross_entropy_loss not in targets
 
 
 def test_a_decoder_kept_in_bf16_trains_as_plain_pytorch_within_a_budget():

@@ -31,7 +31,8 @@ Rule 2: only the plain case is sliced: contiguous 2-D logits in float32, or in h
         this form does not make), or half-precision logits the graph casts to float32 for the
         loss alone (Rule 5), integer targets, no class weights, no label smoothing, reduction
         "mean" or "sum", at least two slices' rows. Any other call runs the original
-        operations as they are.
+        operations as they are (int64 targets, one per row: plain PyTorch's own messages for
+        any other).
 Rule 3: a backward that builds a graph through the layer (create_graph=True: a gradient
         penalty), or one after the logits were written in place, is a RuntimeError saying to
         wrap with slice_loss=False. Plain PyTorch sums the loss's gradient and the penalty's at
@@ -40,7 +41,9 @@ Rule 3: a backward that builds a graph through the layer (create_graph=True: a g
         gradient). Keeping the logits, not their log-softmax, has two more effects plain
         PyTorch does not have: logits written in place after the loss cannot be read back
         (autograd's version check), and torch.func's transforms (grad, vmap, jvp) refuse the
-        Function.
+        Function. Under Rule 5 and under the CPU's autocast the logits kept are the model's
+        half-precision ones, so a write into the logits a model returns (out.logits.div_(t)
+        before backward) is refused there too, where plain PyTorch reads its float32 copy.
 Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or autocast region
         of an exported graph (its own submodule) runs as it is, and is planned so.
 Rule 5: a cross-entropy whose logits are a view of a cast to float32 that nothing else reads
@@ -159,8 +162,8 @@ def _sliceable(logits, target, weight, label_smoothing, reduction, cast=False) -
                  or logits.dtype in (torch.bfloat16, torch.float16)
                  and (cast or _autocast_runs_it_in_float32(logits.device.type)))
             and logits.is_contiguous()
-            and isinstance(target, torch.Tensor)
-            and target.dim() == 1 and not target.is_floating_point() and weight is None
+            and isinstance(target, torch.Tensor) and target.dtype == torch.int64
+            and target.dim() == 1 and target.shape[0] == logits.shape[0] and weight is None
             and label_smoothing == 0.0 and reduction in _REDUCTIONS.values()
             and logits.shape[0] > ROW_ALIGNMENT)                   # two slices at least
 
