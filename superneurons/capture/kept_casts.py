@@ -65,18 +65,12 @@ def _a_float32_no_op(func, args, kwargs) -> bool:
 
 
 def restore_casts(gm: fx.GraphModule) -> int:
-    """Rule 2: every kept cast of ``gm`` and of its grad-mode and autocast regions (graphs of
-    their own) as aten.to.dtype; how many there were."""
-    count = 0
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        kept = [node for node in module.graph.nodes
-                if node.op == "call_function" and node.target is _KEPT]
-        for node in kept:
-            node.target, node.args, node.kwargs = torch.ops.aten.to.dtype, \
-                (node.args[0], torch.float32), {}
-        if kept:
-            module.recompile()
-        count += len(kept)
-    return count
+    """Rule 2: every kept cast of ``gm`` as aten.to.dtype; how many there were."""
+    kept = [node for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is _KEPT]
+    for node in kept:
+        node.target, node.args, node.kwargs = torch.ops.aten.to.dtype, \
+            (node.args[0], torch.float32), {}
+    if kept:
+        gm.recompile()
+    return len(kept)
