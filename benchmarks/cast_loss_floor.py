@@ -7,9 +7,8 @@ slice (capture/sliced_loss.py Rule 5, the default).
     python benchmarks/cast_loss_floor.py OUT_DIR [--device cpu|cuda]
 
 The graph is traced from the model's real call under the device's autocast, as the wrapper
-traces it on its first step (on the CPU, under the CPU's autocast); a last row gives the floor
-sn.plan plans on the meta device. Writes OUT_DIR/cast_loss_floor[_cuda].json: per form, the
-floor in bytes and its highest steps.
+traces it on its first step (on the CPU, under the CPU's autocast). Writes
+OUT_DIR/cast_loss_floor[_cuda].json: per form, the floor in bytes and its highest steps.
 """
 
 import argparse
@@ -32,23 +31,8 @@ def traced(model, call, device: str, form: str):
     with torch.autocast(device, dtype=torch.bfloat16), \
             mock.patch.object(sliced_loss, "_cast_for_the_loss_alone",
                               sliced_loss._cast_for_the_loss_alone if form == FORMS[2]
-                              else lambda *args: None):
+                              else lambda loss: None):
         return capture(model, (), state, dict(call), slice_loss=form != "whole")
-
-
-def meta_floor() -> int:
-    """The floor sn.plan gives on the meta device, where the trace runs without autocast and
-    keeps the model's casts (capture/kept_casts.py)."""
-    import superneurons as sn
-    from superneurons.planner.plan import BudgetError
-    with torch.device("meta"):
-        model = gpt2(positions=SEQUENCE, vocab=VOCAB)
-    ids = torch.zeros(BATCH["gpt2"], SEQUENCE, dtype=torch.long, device="meta")
-    try:
-        return sn.plan(model, (), "superneurons", budget=1, autocast=torch.bfloat16,
-                       kwargs=dict(input_ids=ids, labels=ids, use_cache=False)).peak_bytes
-    except BudgetError as error:             # its peak is the floor
-        return error.peak_bytes
 
 
 def main():
@@ -64,15 +48,11 @@ def main():
         graph = traced(model, call, args.device, form)
         plan = floor_plan(graph)
         loss = next(layer for layer in graph.layers if "cross_entropy" in layer.name)
-        rows.append({"loss_layer": form, "traced": "from the real call", "target": getattr(loss.node.target, "__name__",
+        rows.append({"loss_layer": form, "target": getattr(loss.node.target, "__name__",
                                                            str(loss.node.target)),
                      "floor_bytes": plan.peak_bytes, "floor_gib": plan.peak_bytes / 2**30,
                      "highest_steps": top_steps(plan)})
         print({k: v for k, v in rows[-1].items() if k != "highest_steps"}, flush=True)
-    rows.append({"loss_layer": FORMS[2], "traced": "on the meta device (sn.plan)",
-                 "floor_bytes": meta_floor()})
-    rows[-1]["floor_gib"] = rows[-1]["floor_bytes"] / 2**30
-    print(rows[-1], flush=True)
     suffix = "" if args.device == "cpu" else "_cuda"
     write(os.path.join(args.out, f"cast_loss_floor{suffix}.json"),
           {"model": "GPT-2 small (HF), bf16 autocast", "batch": BATCH["gpt2"],

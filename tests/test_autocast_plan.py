@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import superneurons as sn
-from superneurons.capture import kept_casts, sliced_loss
+from superneurons.capture import sliced_loss
 from superneurons import models
 from superneurons.capture import capture
 from test_runtime_cases import Traps
@@ -110,13 +110,6 @@ def test_cuda_autocast_plans_a_half_log_softmax_and_a_float32_copy():
     assert saved and set(saved) == {"torch.float32"}
 
 
-@pytest.fixture
-def casts_not_kept(monkeypatch):
-    """trace.py Rule 7 alone, for a cast kept_casts.py does not keep: traced on the meta device
-    it returns its input, and the trace cannot tell which of the two the model returns."""
-    monkeypatch.setattr(kept_casts, "_a_float32_no_op", lambda *args: False)
-
-
 class _CastsItsLogits(nn.Module):
     """Returns its bf16 logits beside a loss computed from a float32 copy of them, as HF's
     causal LMs do (logits.float() in the loss): traced in float32, the copy is the logits."""
@@ -132,15 +125,11 @@ class _CastsItsLogits(nn.Module):
         return loss, logits.view(-1, 50) if self.viewed else logits
 
 
-@pytest.mark.parametrize("kept", [True, False])
-def test_a_cast_the_loss_alone_reads_is_made_per_slice_as_the_step_makes_it(kept, monkeypatch):
-    """sliced_loss.py Rule 5: traced under a real autocast, the float32 copy HF-style logits
-    are cast into for the loss alone is made per slice (the layer takes the bf16 logits).
-    Traced on the meta device with the cast kept (kept_casts.py), the plan is the step's, step
-    by step; without (trace.py Rule 7 alone) the cast may be what the model returns, so both
-    stay whole and every policy's plan there is above the step."""
-    if not kept:
-        monkeypatch.setattr(kept_casts, "_a_float32_no_op", lambda *args: False)
+def test_a_cast_the_loss_alone_reads_is_planned_above_the_step_where_the_trace_cannot_tell():
+    """sliced_loss.py Rule 5 with trace.py Rule 7: traced under a real autocast, the float32
+    copy HF-style logits are cast into for the loss alone is made per slice (the layer takes
+    the bf16 logits); traced on the meta device, the cast may be what the model returns, so
+    both stay, and every policy's plan there is at or above the real one."""
     torch.manual_seed(0)
     ids, labels = torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32))   # 128 rows
     meta = capture(_CastsItsLogits(), (ids.to("meta"), labels.to("meta")),
@@ -151,32 +140,13 @@ def test_a_cast_the_loss_alone_reads_is_made_per_slice_as_the_step_makes_it(kept
         return next(layer.node.target for layer in graph.layers
                     if layer.node.target in sliced_loss.SLICED_LOSSES)
     assert loss_of(real) is sliced_loss.sliced_cast_cross_entropy_loss
-    assert loss_of(meta) is (sliced_loss.sliced_cast_cross_entropy_loss if kept
-                             else sliced_loss.sliced_cross_entropy_loss)
+    assert loss_of(meta) is sliced_loss.sliced_cross_entropy_loss
     for policy in ("recompute", "superneurons", "liveness"):
         planned, ran = (sn.planner.plan_graph(graph, policy) for graph in (meta, real))
-        if kept:
-            assert [s.live_bytes for s in planned.steps] == [s.live_bytes for s in ran.steps]
         assert planned.peak_bytes >= ran.peak_bytes, policy
     bf16_logits = 4 * 32 * 50 * 2         # at least that much below: the copy is never whole
-    if not kept:
-        assert sn.planner.plan_graph(meta, "liveness").peak_bytes >= \
-            sn.planner.plan_graph(real, "liveness").peak_bytes + bf16_logits
-
-
-@pytest.mark.parametrize("shape", ["hf_gpt2", "returns_cast", "returns_cast_viewed"])
-def test_a_cast_kept_in_the_meta_trace_plans_every_step_as_the_step(shape):
-    """kept_casts.py: traced on the meta device, a cast to float32 stays a node, so the graph
-    has the users and outputs of the one traced under a real autocast, and every policy plans
-    each step as there (trace.py Rule 7 has nothing to guess)."""
-    if shape == "hf_gpt2":
-        meta, real = _hf_gpt2_meta_and_real()
-    else:
-        meta, real = _toy_meta_and_real(_ReturnsTheCastItsLossReads(shape.endswith("viewed")))
-    assert not meta.cast_from and not real.cast_from
-    for policy in ("recompute", "superneurons", "offload", "liveness", "baseline"):
-        planned, ran = (sn.planner.plan_graph(graph, policy).steps for graph in (meta, real))
-        assert [s.live_bytes for s in planned] == [s.live_bytes for s in ran], policy
+    assert sn.planner.plan_graph(meta, "liveness").peak_bytes >= \
+        sn.planner.plan_graph(real, "liveness").peak_bytes + bf16_logits
 
 
 class _ReturnsItsCast(nn.Module):
@@ -213,7 +183,6 @@ def _meta_and_real(model, outside: bool = False, policy=sn.planner.Policy.LIVENE
 
 
 @pytest.mark.parametrize("viewed", [False, True])
-@pytest.mark.usefixtures("casts_not_kept")
 def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast(viewed):
     """trace.py Rule 7: planned on the meta device (traced without autocast), the logits the
     model returns (or a view of them) stay outputs beside their float32 copy, and every step is
@@ -272,7 +241,6 @@ def _toy_meta_and_real(model):
 
 
 @pytest.mark.parametrize("shape", ["hf_gpt2", "returns_cast", "returns_cast_viewed"])
-@pytest.mark.usefixtures("casts_not_kept")
 def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape):
     """plan.py with trace.py Rule 7: a cast the trace could not tell from what it cast may be
     the step's intermediate (HF's float32 logits, which its loss reads: replayed from the bf16
@@ -289,7 +257,6 @@ def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape):
         assert all(m.live_bytes >= r.live_bytes for m, r in zip(planned, ran)), policy
 
 
-@pytest.mark.usefixtures("casts_not_kept")
 def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again():
     """A plan's graph holds the reading it took; made again from it (module Rules 2 and 3
     plan the step again from plan.graph), both readings are planned again."""
@@ -304,7 +271,6 @@ def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again():
 
 
 @pytest.mark.parametrize("viewed", [False, True])
-@pytest.mark.usefixtures("casts_not_kept")
 def test_a_cast_the_model_returns_alone_is_its_only_output(viewed):
     """Rule 7 leaves a cast that nothing but the output (or a view it returns) reads: it is
     what the model returns."""
@@ -312,7 +278,6 @@ def test_a_cast_the_model_returns_alone_is_its_only_output(viewed):
     assert [s.live_bytes for s in meta.steps] == [s.live_bytes for s in real.steps]
 
 
-@pytest.mark.usefixtures("casts_not_kept")
 def test_a_cast_and_what_it_cast_get_one_gradient_from_outside():
     """gradients.py Rule 5 with trace.py Rule 7: of the float32 copy and the bf16 logits the
     model may return, the larger alone gets a gradient from outside. The real step gives one to

@@ -70,19 +70,16 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     refuse_under_autocast(model, autocast)                                  # refused.py
     if tracer not in ("auto", "export"):
         raise ValueError(f"tracer must be 'auto' or 'export', not {tracer!r}")
-    # traced without the step's autocast (meta tensors have none): its casts kept
-    traced_alone = autocast is not None and not torch.is_autocast_enabled(autocast[0])
     if tracer == "auto" and _fx_is_exact(model, args, kwargs):
         log.info("capturing %s with torch.fx", type(model).__name__)
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
         log.info("capturing %s with torch.export", type(model).__name__)
-        exported = export_graph(model, args, kwargs, device, packed_positions,
-                                keep_casts=traced_alone)
+        exported = export_graph(model, args, kwargs, device, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
-        slice_losses(gm, traced_alone)
+        slice_losses(gm)
     # with each input's requires_grad: a frozen model's input may need a gradient
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))

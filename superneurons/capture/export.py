@@ -33,7 +33,6 @@ from torch.utils import _pytree as pytree
 from .assigned import assigned_refusal, watched_attributes
 from .export_said import said_by_export, stale_attributes
 from .hf import exported_as_called
-from .kept_casts import KeptCasts, restore_casts
 from .refused import (autograd_python_refusal, autograd_python_watched, functorch_transforms,
                       reentrant_checkpoints_refused, reentrant_refusal, refuse_unsupported)
 from .value_read import children_of, is_value_read, value_read_refusal
@@ -112,12 +111,11 @@ def _fake_like(tensors_on, example, mode=None):
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
-                 packed_positions: bool = False, keep_casts: bool = False) -> ExportedGraph:
+                 packed_positions: bool = False) -> ExportedGraph:
     """Export ``model`` called with ``args`` and ``kwargs``; a ValueError says what to change.
     ``device``: where the step runs when the model's state lives elsewhere (state="host"): the
     model is exported as if its state were there (Rule 3). ``packed_positions``: an HF call's
-    position_ids pack sequences (hf.py Rule 1). ``keep_casts``: traced without the step's
-    autocast, a cast to float32 stays a node of the graph (kept_casts.py)."""
+    position_ids pack sequences (hf.py Rule 1)."""
     refuse_unsupported(model)             # before the hooks: HF's checkpointing adds one
     hooks = hooks_of(model)
     if hooks:
@@ -141,8 +139,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 reentrant_checkpoints_refused(reentrant), \
                 exported_as_called(model, args, kwargs, packed_positions), \
                 said_by_export(assigned), autograd_python_watched(autograd_python), \
-                watched_attributes(model, written), \
-                KeptCasts() if keep_casts else contextlib.nullcontext():
+                watched_attributes(model, written):
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many kinds: say what to do in one place
         if reentrant:
@@ -316,7 +313,6 @@ def _with_model_state(program, model: nn.Module) -> ExportedGraph:
             env[node] = graph.node_copy(node, env.__getitem__)
     _read_state_written_in_place(graph)
     gm = fx.GraphModule(root, graph, class_name=type(model).__name__)
-    restore_casts(gm)                                                    # kept_casts.py Rule 2
     call_spec = program.call_spec
     return ExportedGraph(gm, call_spec.in_spec, call_spec.out_spec)
 

@@ -215,17 +215,16 @@ _SLICED = {torch.ops.aten.cross_entropy_loss.default: sliced_cross_entropy_loss,
 SLICED_LOSSES = frozenset((*_SLICED.values(), sliced_cast_cross_entropy_loss))
 
 
-def slice_losses(gm: fx.GraphModule, traced_alone: bool = False) -> int:
+def slice_losses(gm: fx.GraphModule) -> int:
     """Point every cross-entropy call of ``gm`` at its sliced form (which runs the original
     where Rule 2 does not hold), taking the source of a cast only it reads (Rule 5); the
-    number of calls changed. ``traced_alone``: traced without the step's autocast, its casts
-    kept (kept_casts.py), so a float32 source may be half precision in the step."""
+    number of calls changed."""
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SLICED:
             node.target = _SLICED[node.target]
             changed += 1
-            cast = _cast_for_the_loss_alone(node, traced_alone)
+            cast = _cast_for_the_loss_alone(node)
             if cast is not None:
                 view = node.args[0]
                 node.target = sliced_cast_cross_entropy_loss
@@ -237,7 +236,7 @@ def slice_losses(gm: fx.GraphModule, traced_alone: bool = False) -> int:
     return changed
 
 
-def _cast_for_the_loss_alone(loss: fx.Node, traced_alone: bool = False):
+def _cast_for_the_loss_alone(loss: fx.Node):
     """Rule 5: the node casting to float32 whose one reader is a view whose one reader is
     ``loss`` (an exported aten.cross_entropy_loss), else None."""
     view = loss.args[0]
@@ -249,12 +248,11 @@ def _cast_for_the_loss_alone(loss: fx.Node, traced_alone: bool = False):
             len(cast.args) != 2 or cast.args[1] is not torch.float32 or \
             any(cast.kwargs.values()):          # non_blocking, copy, memory_format: defaults
         return None
-    # as traced: a half-precision source (or one autocast may make so) and rows enough to
-    # slice, else the graph stays as it is (a float32 model's cast returns its input)
+    # as traced: a half-precision source and rows enough to slice, else the graph stays as
+    # it is (a float32 model's cast returns its input: nothing to save)
     source, rows = cast.args[0].meta.get("val"), view.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(rows, torch.Tensor) or \
-            source.dtype not in (torch.bfloat16, torch.float16) + \
-            ((torch.float32,) if traced_alone else ()) or rows.dim() != 2 or \
+            source.dtype not in (torch.bfloat16, torch.float16) or rows.dim() != 2 or \
             not isinstance(rows.shape[0], int) or rows.shape[0] <= ROW_ALIGNMENT:
         return None
     return cast

@@ -34,11 +34,9 @@ Rule 7: an output made by an operation that returned its input, or a view of it,
         (``return head(h).float()``). A returned view of such a cast counts as the cast, but
         stays the float32 copy's view: the forward is planned at least as high as the step,
         while at the cast's own backward step the plan can be below it by the bfloat16
-        tensor. kept_casts.py keeps Tensor.float() and .to(torch.float32) as nodes where the
-        graph is traced without the step's autocast, so this rule is left for the casts it
-        does not see; such a cast the loss alone reads stays whole here (sliced_loss.py Rule
-        5 cannot tell it from what the model returns), above the step by up to the float32
-        copy.
+        tensor. Traced under a real autocast, a cast the loss alone reads is made per slice
+        (sliced_loss.py Rule 5); traced here, where it may be what the model returns, it
+        stays whole, so that plan is above the step by up to the float32 copy.
 """
 
 import contextlib
