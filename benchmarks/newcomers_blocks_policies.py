@@ -18,23 +18,14 @@ def main():
     sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
     import torch
     import timm
-    import transformers
     import superneurons as sn
     import matrix
     from common import write
-    from newcomers_decoder_blocks import _text
+    from newcomers_decoder_blocks import _hf
     from superneurons.planner.policy import CHECKPOINT_KINDS
     made = []
     wrap = matrix.sn.wrap
     matrix.sn.wrap = lambda *a, **k: made.append(wrap(*a, **k)) or made[-1]
-
-    def hf(config, model_class, **extra):
-        def build():
-            torch.manual_seed(0)
-            model = getattr(transformers, model_class)(
-                getattr(transformers, config)(vocab_size=128, **extra)).train()
-            return model, (), {**_text(128), "use_cache": False}, lambda out: out.loss
-        return build
 
     def deit():
         torch.manual_seed(0)
@@ -43,11 +34,11 @@ def main():
         x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
         return model, (x,), {}, lambda out: torch.nn.functional.cross_entropy(out, y)
     cases = {
-        "HF OPTForCausalLM": hf("OPTConfig", "OPTForCausalLM", hidden_size=48, ffn_dim=128,
+        "HF OPTForCausalLM": _hf("OPTConfig", "OPTForCausalLM", hidden_size=48, ffn_dim=128,
                                 num_hidden_layers=4, num_attention_heads=4,
                                 max_position_embeddings=128, word_embed_proj_dim=48,
                                 dropout=0.1),
-        "HF Phi3ForCausalLM": hf("Phi3Config", "Phi3ForCausalLM", hidden_size=48,
+        "HF Phi3ForCausalLM": _hf("Phi3Config", "Phi3ForCausalLM", hidden_size=48,
                                  intermediate_size=128, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=128, pad_token_id=0),
