@@ -82,16 +82,14 @@ class _SlicedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, reduction: int, ignore_index: int):
         ignored = target == ignore_index
-        chosen = torch.where(ignored, 0, target).long().unsqueeze(1)
-        picks = logits.new_empty(logits.shape[0], dtype=torch.float32)
-        for start, stop in _slices(logits.shape[0]):
-            log_probs = _log_softmax(logits[start:stop])
-            picks[start:stop] = log_probs.gather(1, chosen[start:stop]).squeeze(1)
-            del log_probs
+        chosen = torch.where(ignored, 0, target).unsqueeze(1)
         # Rule 1: the targets' log-probabilities in the column of a class no ignored row names
         column = 0 if ignore_index != 0 else 1
         picked = logits.new_zeros((logits.shape[0], column + 1), dtype=torch.float32)
-        picked[:, column] = picks
+        for start, stop in _slices(logits.shape[0]):
+            log_probs = _log_softmax(logits[start:stop])
+            picked[start:stop, column:] = log_probs.gather(1, chosen[start:stop])
+            del log_probs
         loss, total_weight = torch.ops.aten.nll_loss_forward.default(
             picked, torch.where(ignored, target, column), None, reduction, ignore_index)
         ctx.save_for_backward(logits, target, total_weight)
