@@ -18,29 +18,13 @@ POLICIES = ("superneurons", "recompute", "offload")
 MODES = ("bf16 weights", "bf16 autocast")
 
 
-def train(build, call, wrap, autocast: bool, steps: int = 3) -> list:
-    model = build()
-    run = wrap(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        torch.manual_seed(10 + step)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = run(**call).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-    return losses + [p.detach() for p in model.parameters()] + \
-        [p.grad for p in model.parameters()]
-
-
 def main():
-    sys.path[:0] = [HERE]
+    sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
     import superneurons as sn
     from common import write
     from newcomers_decoder_blocks import _hf, _text
     from superneurons.capture import sliced_loss
+    from test_sliced_loss import _train          # 3 AdamW steps: losses, state, gradients
     models = {
         "HF GraniteForCausalLM": _hf("GraniteConfig", "GraniteForCausalLM", hidden_size=48,
                                      intermediate_size=128, num_hidden_layers=4,
@@ -59,7 +43,7 @@ def main():
             def build(hf=hf, autocast=autocast):
                 model = hf()[0]
                 return model if autocast else model.to(torch.bfloat16)
-            plain = train(build, call, lambda m: m, autocast)
+            plain = _train(build, call, lambda m: m, "cpu", autocast)
             for policy in POLICIES:
                 def peak(planned, policy=policy, build=build, autocast=autocast):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -71,7 +55,7 @@ def main():
                 def wrap(model, policy=policy, budget=budget):
                     made["wrapped"] = sn.wrap(model, policy=policy, budget=budget)
                     return made["wrapped"]
-                ours = train(build, call, wrap, autocast)
+                ours = _train(build, call, wrap, "cpu", autocast)
                 plan = made["wrapped"]._last[0]
                 loss = next(layer.node.target for layer in plan.graph.layers
                             if layer.node.target in sliced_loss.SLICED_LOSSES)
