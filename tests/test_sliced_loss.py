@@ -42,6 +42,22 @@ def test_sliced_loss_gives_plain_bits(rows, classes, reduction, ignore_index, de
     assert torch.equal(plain, aten)
 
 
+@pytest.mark.parametrize("slice_bytes, slices", [(None, 16), (100 * 1001 * 4, 16),
+                                                 (30 * 1001 * 4, 32), (1, 32)])
+def test_slices_are_bounded_by_bytes_and_keep_plain_bits(slice_bytes, slices, device,
+                                                         monkeypatch):
+    """A slice is at most SLICE_BYTES of float32 rows, rounded up to ROW_ALIGNMENT rows; 2,048
+    rows make 16 slices of 128 rows by count alone."""
+    if slice_bytes is not None:
+        monkeypatch.setattr(sliced_loss, "SLICE_BYTES", slice_bytes)
+    logits, target = _logits(2048, 1001, device, torch.bfloat16)
+    assert len(sliced_loss._slices(logits)) == slices
+    plain = F.cross_entropy(logits.float(), target)
+    ours = sliced_cast_cross_entropy_loss(logits, [-1, 1001], target)
+    (plain_grad,), (our_grad,) = (torch.autograd.grad(loss, logits) for loss in (plain, ours))
+    assert torch.equal(plain, ours) and torch.equal(plain_grad, our_grad)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("ignore_index", [-100, 0])
 def test_a_cast_for_the_loss_alone_is_made_per_slice(dtype, ignore_index, device):

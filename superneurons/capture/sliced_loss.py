@@ -59,10 +59,17 @@ from torch.overrides import _get_current_function_mode_stack
 
 from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy
 
-__all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "ROW_ALIGNMENT",
+__all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "SLICE_BYTES", "ROW_ALIGNMENT",
            "sliced_cast_cross_entropy_loss"]
 
-SLICES = 16                  # a slice's two temporaries: at most 1/8 of the logits' bytes
+# a slice is at most 1/SLICES of the rows and at most SLICE_BYTES of float32 log-probabilities:
+# its backward holds up to four such temporaries (the float32 cast of a half-precision slice,
+# its log-softmax, that one's gradient, the logits' gradient before its cast back), so a
+# vocabulary's layer stays near the bytes of its logits and their gradient; slices of that
+# size keep the GPU's bandwidth as busy as the whole tensor does (BENCHMARKS.md, "Slices of
+# the loss layer")
+SLICES = 16
+SLICE_BYTES = 32 << 20
 # slices start at multiples of this many rows: an fp32 row's offset is then a multiple of 256
 # bytes, which keeps every row's 16-byte vector alignment in a slice's own buffers as in the
 # whole tensor's (CUDA's allocations start at multiples of 512 bytes)
@@ -86,7 +93,7 @@ class _SlicedCrossEntropy(torch.autograd.Function):
         # Rule 1: the targets' log-probabilities in the column of a class no ignored row names
         column = 0 if ignore_index != 0 else 1
         picked = logits.new_zeros((logits.shape[0], column + 1), dtype=torch.float32)
-        for start, stop in _slices(logits.shape[0]):
+        for start, stop in _slices(logits):
             log_probs = _log_softmax(logits[start:stop])
             picked[start:stop, column:] = log_probs.gather(1, chosen[start:stop])
             del log_probs
@@ -115,7 +122,7 @@ class _SlicedCrossEntropy(torch.autograd.Function):
                 "only: a backward that builds a graph through it (create_graph=True) would not. "
                 "Wrap the model with slice_loss=False for that.")
         grad = torch.empty_like(logits)
-        for start, stop in _slices(logits.shape[0]):
+        for start, stop in _slices(logits):
             log_probs = _log_softmax(logits[start:stop])
             grad_log_probs = torch.ops.aten.nll_loss_backward.default(
                 grad_loss, log_probs, target[start:stop], None, ctx.reduction,
@@ -136,8 +143,10 @@ def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._log_softmax.default(rows.to(torch.float32), 1, False)
 
 
-def _slices(rows: int) -> list:
-    step = -(-rows // SLICES)
+def _slices(logits: torch.Tensor) -> list:
+    """(start, stop) of each slice of ``logits``' rows."""
+    rows, classes = logits.shape
+    step = min(-(-rows // SLICES), max(1, SLICE_BYTES // (4 * classes)))
     step = -(-step // ROW_ALIGNMENT) * ROW_ALIGNMENT
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 

@@ -26,7 +26,7 @@ Rule 7: a value that a layer outside its segment saves is replayed at that layer
         with the square of the depth (benchmarks/results/planner_costs_densenet_host.json).
 Rule 6: "offload" sends CONV outputs to the host, as the paper does; "superneurons" sends every
         kept checkpoint output, since the cheap layers after them are recomputed from them. The
-        model's input stays: its caller holds it through the step.
+        model's input and outputs stay: its caller holds them through the forward at least.
 Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: the checkpoints are
         then the route's cuts, the layers after which a single storage is live (a ResNet block's
         output) besides the model's inputs and what lives across most of the route (a
@@ -272,19 +272,23 @@ def storage_actions(graph: LayerGraph, policy: Policy, segment_of: dict) -> list
     producers: dict = {}      # storage -> every layer making a value on it (views, in place)
     for value in graph.values:
         producers.setdefault(value.storage, set()).add(value.producer)
+    returned = {graph.values[value].storage for value in graph.output_values}
     for storage in graph.storages:
         creator = storage.creator
         touched = producers.get(storage.index, {creator})
         if policy.recomputes and creator is not None and all(l in segment_of for l in touched) \
                 and len({segment_of[l] for l in touched}) == 1:
             actions.append(Action.RECOMPUTE)
-        elif policy is Policy.OFFLOAD and creator is not None \
-                and graph.layers[creator].kind in OFFLOAD_KINDS:
+        elif creator is None or storage.index in returned:
+            # the model's input and outputs: its caller holds them through the forward (a
+            # language model's logits, which its loss's backward reads first, through the
+            # step), so a copy on the host would free nothing (AlexNet b1575 peaked 0.95 GiB
+            # over its plan when its input "moved")
+            actions.append(Action.KEEP)
+        elif policy is Policy.OFFLOAD and graph.layers[creator].kind in OFFLOAD_KINDS:
             actions.append(Action.OFFLOAD)
-        elif policy is Policy.SUPERNEURONS and creator is not None:
+        elif policy is Policy.SUPERNEURONS:
             actions.append(Action.OFFLOAD)
         else:
-            # and the model's input: its caller holds it through the step, so a copy on the host
-            # would free nothing (AlexNet b1575 peaked 0.95 GiB over its plan when it "moved")
             actions.append(Action.KEEP)
     return actions
