@@ -287,8 +287,8 @@ class _ReturnsWhatItsLossReads(torch.nn.Module):
 @pytest.mark.parametrize("policy", ["offload", "superneurons"])
 def test_an_output_its_loss_reads_stays_on_the_device(policy):
     """The caller holds the output at least until the forward returns: moved to the host, it
-    would free nothing there (GPT-2's logits left 1.3 GiB the plan had freed:
-    BENCHMARKS.md, "GPT-2 at a quarter")."""
+    would free nothing there (GPT-2's logits stayed beside a plan that had freed them:
+    BENCHMARKS.md, "Slices of the loss layer, and GPT-2 at a quarter")."""
     with torch.device("meta"):
         model = _ReturnsWhatItsLossReads()
     graph = capture(model, (2, 3, 16, 16))

@@ -65,9 +65,8 @@ __all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "SLICE_BYTES", "ROW_ALIGNM
 # a slice is at most 1/SLICES of the rows and at most SLICE_BYTES of float32 log-probabilities:
 # its backward holds up to four such temporaries (the float32 cast of a half-precision slice,
 # its log-softmax, that one's gradient, the logits' gradient before its cast back), so a
-# vocabulary's layer stays near the bytes of its logits and their gradient; slices of that
-# size keep the GPU's bandwidth as busy as the whole tensor does (BENCHMARKS.md, "Slices of
-# the loss layer")
+# vocabulary's layer stays near the bytes of its logits and their gradient; smaller slices
+# ran slower on an H100, these as fast as 16 (BENCHMARKS.md, "Slices of the loss layer")
 SLICES = 16
 SLICE_BYTES = 32 << 20
 # slices start at multiples of this many rows: an fp32 row's offset is then a multiple of 256
