@@ -62,7 +62,8 @@ from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy
 __all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "SLICE_BYTES", "ROW_ALIGNMENT",
            "sliced_cast_cross_entropy_loss"]
 
-# a slice is at most 1/SLICES of the rows and at most SLICE_BYTES of float32 log-probabilities:
+# a slice is at most 1/SLICES of the rows and about SLICE_BYTES of float32 log-probabilities
+# (rounded up to ROW_ALIGNMENT rows):
 # its backward holds up to four such temporaries (the float32 cast of a half-precision slice,
 # its log-softmax, that one's gradient, the logits' gradient before its cast back), so a
 # vocabulary's layer stays near the bytes of its logits and their gradient; smaller slices
@@ -145,7 +146,7 @@ def _log_softmax(rows: torch.Tensor) -> torch.Tensor:
 def _slices(logits: torch.Tensor) -> list:
     """(start, stop) of each slice of ``logits``' rows."""
     rows, classes = logits.shape
-    step = min(-(-rows // SLICES), max(1, SLICE_BYTES // (4 * classes)))
+    step = min(-(-rows // SLICES), max(1, SLICE_BYTES // max(1, 4 * classes)))
     step = -(-step // ROW_ALIGNMENT) * ROW_ALIGNMENT
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
