@@ -72,6 +72,16 @@ Rule 10: on CUDA, once the pool has offloaded in a step, every later forward mar
         device while the host prepares each layer: ResNet-50 in bf16 at half of plain's peak,
         which moves data after few layers, ran at 0.55 of plain's speed waiting before each,
         0.65 only where the pool moves (ratio_*_pace_at_*.json).
+Rule 11: on CUDA, a convolution of a step that trusts its calibration runs beside no more pool
+        bytes than it had when last fitted (Rule 9): the offloads in flight past that are freed
+        first, oldest first, behind waits of the compute stream for their copies (pool Rule 4),
+        not of the host. PyTorch keeps the engine fitted beside a pool whose earlier copies had
+        finished (a fit waits for the device when it returns cached blocks); a step whose host
+        runs ahead finds them unfinished, the pool holds their bytes within its room, and the
+        kept engine's workspace takes that room again: unpaced, ResNet-101 at batch 896 passed
+        its budget by 120 MiB in every trusting step, and held it with every copy in flight
+        freed before each convolution (diagnose_trusting_peak_resnet101_896_unpaced_3fc19e0.json,
+        ..._drain_unpaced_3fc19e0.json).
 """
 
 import logging
@@ -148,6 +158,7 @@ class Executor(RoomKeeping, SavedTensors):
         self.unfitted = False      # Rule 9: a retry after an out-of-memory under the fit
         self.calibrating = False
         self.paced = False         # Rule 10
+        self.fitted_beside: dict = {}   # Rule 11: (layer, forward) -> pool bytes at its fit
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
@@ -206,7 +217,7 @@ class Executor(RoomKeeping, SavedTensors):
         pool = self.pool
         pool.offloaded_bytes = pool.prefetched_bytes = pool.cache_hits = pool.cache_misses = 0
         pool.host_memory.taking_seconds = self.calibration.seconds = 0.0
-        self.recomputed_layers = self.accounted_peak = 0
+        self.recomputed_layers = self.accounted_peak = self.drained_convolutions = 0
 
     def _read_state(self) -> None:
         """Rule 3: the model's state as it is now, in one pass over its modules: its parameters
@@ -313,6 +324,7 @@ class Executor(RoomKeeping, SavedTensors):
                 state_on_device=self.tier is None)
             self.calibrating = self.calibration.begin_step()
             if self.calibrating:
+                self.fitted_beside = {}                                    # Rule 11
                 log.info("step %d of this plan: calibrating (reading device memory at every "
                          "layer)", self.step_id)
         self.outside.begin()                                    # outside.py Rule 3
@@ -404,13 +416,21 @@ class Executor(RoomKeeping, SavedTensors):
         return fx.node.map_arg(node.args, fetch), fx.node.map_arg(node.kwargs, fetch), inputs
 
     def _call(self, layer, args, kwargs, trains: bool = False):
-        if layer.kind is not Kind.CONV or self.workspaces is None or self.unfitted or \
-                not (self.calibrating or self.calibration.raised):
+        if layer.kind is not Kind.CONV or self.workspaces is None or self.unfitted:
+            return self._run_layer(layer, args, kwargs, trains)
+        key = (layer.index, trains)          # a forward, or a replay (in backward)
+        if not (self.calibrating or self.calibration.raised):
+            fitted_beside = self.fitted_beside.get(key)                    # Rule 11
+            if fitted_beside is not None and self.pool.drain_to(fitted_beside):
+                self.drained_convolutions += 1
             return self._run_layer(layer, args, kwargs, trains)
         graph = self.graph                                                 # Rule 9
         output_bytes = [graph.storages[graph.values[v].storage].nbytes for v in layer.outputs]
         try:
             with self.workspaces.fitted(output_bytes):
+                self.pool.free_finished()          # the limit may have waited for copies
+                self.fitted_beside[key] = min(self.pool.device_bytes,
+                                              self.fitted_beside.get(key, self.pool.device_bytes))
                 out = self._run_layer(layer, args, kwargs, trains)
         except torch.OutOfMemoryError as error:
             raise FitOutOfMemory(str(error)) from error

@@ -205,6 +205,16 @@ class TensorPool:
         """Free the device bytes of offloads whose copies are done (Rule 4)."""
         self._drain(limit=None)
 
+    def drain_to(self, limit: int) -> bool:
+        """Free the device bytes of offloads in flight, oldest first, behind waits of the compute
+        stream for their copies (Rule 4), until the pool holds at most ``limit`` bytes or has
+        nothing in flight; returns whether any wait was needed."""
+        self._drain(limit=None)
+        if self.device_bytes <= limit or not self.draining:
+            return False
+        self._drain(limit)
+        return True
+
     def _drain(self, limit: int | None) -> None:
         """Rule 4: free the device bytes of finished offloads; with a ``limit``, free the oldest
         ones in flight, behind their copies, until the pool fits under it."""

@@ -27,6 +27,9 @@ class StepStats:
     state_moved_bytes: int = 0
     # forward layers at which the host waited for the compute stream (executor Rule 10)
     paced_layers: int = 0
+    # convolutions before which the compute stream waited for offloads in flight, to run
+    # beside the pool they were fitted beside (executor Rule 11)
+    drained_convolutions: int = 0
     # CUDA: requests that found the caching allocator's limit reached and were tried again
     # after it returned the memory it held free, from the step's forward until these stats
     # are read, less those under the runtime's own workspace limits (near_limit.py)
@@ -76,4 +79,5 @@ def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
                      executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                      executor.calibration_seconds,
                      executor.tier.moved_bytes if executor.tier is not None else 0,
-                     executor.pace.waits if executor.paced else 0, retries, **made)
+                     executor.pace.waits if executor.paced else 0,
+                     executor.drained_convolutions, retries, **made)
