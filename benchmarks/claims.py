@@ -86,6 +86,7 @@ def one(network: str, batch: int, size, steps: int = STEPS) -> dict:
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                     "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
                     "paced_layers": getattr(stats, "paced_layers", 0),
+                    "drained_convolutions": getattr(stats, "drained_convolutions", 0),
                     # the allocator met a request only after returning its free memory
                     "allocator_retries": getattr(stats, "allocator_retries", None),
                     # the first step's parts: host memory taken (pinned), allocator readings

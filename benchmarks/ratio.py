@@ -221,6 +221,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                 # (executor Rules 4 and 9: both slower), and what it moved and waited for
                 states.append({**calibration_of(run), "trying": run.stats.trying,
                                "paced_layers": run.stats.paced_layers,
+                               "drained_convolutions": run.stats.drained_convolutions,
                                "moved_bytes": run.stats.offloaded_bytes
                                + run.stats.prefetched_bytes})
     except torch.OutOfMemoryError as error:
