@@ -11,6 +11,7 @@ from torch import nn
 import superneurons as sn
 from superneurons.capture.kinds import Kind
 from superneurons.runtime import allocator_cap
+from superneurons.runtime.executor import Executor
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not allocator_cap.available(),
@@ -93,20 +94,19 @@ def test_on_cuda_every_trusting_convolution_runs_beside_the_pool_of_its_fit(monk
     wrapped = sn.wrap(_net("cuda"), policy="offload",
                       budget=(floor + liveness) // 2 + torch.cuda.memory_allocated())
     found = []
-    for step in range(5):
-        F.cross_entropy(wrapped(x), y).backward()
-        executor = wrapped._last[1]
-        if step == 0:
-            run_layer = executor._run_layer
+    run_layer = Executor._run_layer
 
-            def checked(layer, args, kwargs, trains, executor=executor):
-                key = (layer.index, trains)
-                if layer.kind is Kind.CONV and key in executor.fitted_beside and \
-                        not (executor.calibrating or executor.calibration.raised):
-                    executor.pool.free_finished()
-                    found.append(executor.pool.device_bytes <= executor.fitted_beside[key]
-                                 or not executor.pool.draining)
-                return run_layer(layer, args, kwargs, trains)
-            monkeypatch.setattr(executor, "_run_layer", checked)
+    def checked(executor, layer, args, kwargs, trains):
+        key = (layer.index, trains)
+        if layer.kind is Kind.CONV and key in executor.fitted_beside and \
+                not (executor.calibrating or executor.calibration.raised):
+            executor.pool.free_finished()
+            found.append(executor.pool.device_bytes <= executor.fitted_beside[key]
+                         or not executor.pool.draining)
+        return run_layer(executor, layer, args, kwargs, trains)
+    monkeypatch.setattr(Executor, "_run_layer", checked)
+    for _ in range(5):
+        F.cross_entropy(wrapped(x), y).backward()
+    executor = wrapped._last[1]
     assert executor.workspaces is not None and executor.pool.offloaded_bytes > 0
     assert found and all(found)
