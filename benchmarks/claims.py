@@ -85,7 +85,6 @@ def one(network: str, batch: int, size, steps: int = STEPS) -> dict:
                     "seconds": time.perf_counter() - began, "peak_allocated_bytes": peak,
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                     "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes if stats else 0,
-                    "paced_layers": getattr(stats, "paced_layers", 0),
                     "drained_convolutions": getattr(stats, "drained_convolutions", 0),
                     # the allocator met a request only after returning its free memory
                     "allocator_retries": getattr(stats, "allocator_retries", None),

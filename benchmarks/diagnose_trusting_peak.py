@@ -8,14 +8,12 @@ are marked by small allocations on a stream of their own, which the trace keeps 
 each step's allocated bytes can be read per boundary and the two steps compared where they part.
 
     python benchmarks/diagnose_trusting_peak.py OUT_DIR [--network resnet101] [--batch 896]
-        [--steps 3] [--sync forward|backward|both] [--no-record] [--pace device|compute-stream]
-        [--lead N] [--at moves|every] [--bare]
+        [--steps 3] [--sync forward|backward|both] [--no-record] [--bare]
         (CUDA; writes OUT_DIR/diagnose_trusting_peak.json)
 """
 
 import argparse
 import os
-import runpy
 import sys
 import time
 
@@ -113,7 +111,8 @@ def step(wrapped, optimizer, x, y, marks: Marks | None, record: bool) -> dict:
         row = {"seconds": time.perf_counter() - began,
                "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                "offloaded_bytes": wrapped.stats.offloaded_bytes,
-               "paced_layers": wrapped.stats.paced_layers, **calibration_of(wrapped)}
+               "drained_convolutions": wrapped.stats.drained_convolutions,
+               **calibration_of(wrapped)}
         if record and marks is not None:
             row.update(curve(torch.cuda.memory._snapshot(), marks, start))
             row["mark_names"] = list(marks.names)
@@ -135,34 +134,12 @@ def main():
                              "node (backward) or both: does a host running ahead of the device "
                              "make the peak?")
     parser.add_argument("--no-record", action="store_true", help="peaks only, no trace")
-    parser.add_argument("--pace", choices=("device", "compute-stream"), default="compute-stream",
-                        help="what executor Rule 10 waits for before a forward layer: the "
-                             "compute stream alone (the runtime's, --lead layers back), which "
-                             "leaves the pool's copies running, or the whole device (before "
-                             "every layer)")
-    parser.add_argument("--lead", type=int, default=None,
-                        help="with --pace compute-stream: the forward layers the host may queue "
-                             "ahead of the compute stream (executor.PACE_LEAD)")
     parser.add_argument("--bare", action="store_true",
                         help="no marks at layers and autograd nodes (they slow the host, and "
                              "ResNet-101 held its budget with them where claims.py's steps "
                              "did not); implies --no-record")
-    parser.add_argument("--at", choices=("moves", "every"), default=None,
-                        help="where the host waits: only where the pool is about to move data, "
-                             "or before every forward layer (by default as the runtime chooses)")
     args = parser.parse_args()
-    if args.pace == "device":                 # the whole device, before every forward layer
-        args.at = "every"
-    # the lead and where the host waits, as benchmarks/pace_lead sets them for other scripts
-    os.environ["SN_PACE_LEAD"] = "" if args.lead is None or args.pace == "device" else \
-        str(args.lead)
-    os.environ["SN_PACE_AT"] = args.at or ""
-    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pace_lead",
-                                "sitecustomize.py"))
     import superneurons as sn
-    from superneurons.runtime import executor as executor_module
-    if args.pace == "device":
-        executor_module.Pace.settle = lambda pace, position: torch.cuda.synchronize()
 
     cap_memory(CAP_GIB)
     model, x, y = make(args.network, args.batch, "cuda")
@@ -186,16 +163,11 @@ def main():
         row["allocated_at_marks"] = row["allocated_at_marks"][::8]
         row.pop("mark_names", None)
     name = "diagnose_trusting_peak" + ("_bare" if args.bare else "") + \
-        (f"_sync_{args.sync}" if args.sync else "") + \
-        ("_pace_device" if args.pace == "device" else "") + \
-        (f"_lead_{args.lead}" if args.lead is not None and args.pace != "device" else "") + \
-        (f"_at_{args.at}" if args.at and args.pace != "device" else "") + ".json"
+        (f"_sync_{args.sync}" if args.sync else "") + ".json"
     write(os.path.join(args.out, name), {
         "command": " ".join(["python", "benchmarks/diagnose_trusting_peak.py"] + sys.argv[1:]),
         "network": args.network, "batch": args.batch, "cap_gib": CAP_GIB,
-        "budget_gib": BUDGET_GIB, "sync": args.sync, "pace": args.pace,
-        "lead": None if args.pace == "device" else executor_module.PACE_LEAD, "at": args.at,
-        "steps": rows,
+        "budget_gib": BUDGET_GIB, "sync": args.sync, "steps": rows,
         "parted": parted})
 
 

@@ -3,8 +3,7 @@ first step: the ResNets' first steps spent 5.4-14.4 s pinning, with the device i
 
 Each case is a fresh process (PyTorch's pinned allocator caches what it pinned):
 - ``compute``: a stand-in for a step's forward, alone: convolutions, each followed by a copy of
-  its output to pinned memory (an offload), the host waiting for the device after each (as a
-  paced forward does);
+  its output to pinned memory (an offload), the host waiting for the device after each;
 - ``pin``: pinning GIB in chunks doubling from 256 MiB to 8 GiB, as the store does, alone;
 - ``both``: the pinning on a thread of its own while the main thread runs the compute.
 Pinning is either PyTorch's pinned allocator with 16 registering threads (the store's setting)

@@ -220,7 +220,6 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                 # per step: whether it calibrated, or ran fitted after a step past the budget
                 # (executor Rules 4 and 9: both slower), and what it moved and waited for
                 states.append({**calibration_of(run), "trying": run.stats.trying,
-                               "paced_layers": run.stats.paced_layers,
                                "drained_convolutions": run.stats.drained_convolutions,
                                "moved_bytes": run.stats.offloaded_bytes
                                + run.stats.prefetched_bytes})
@@ -239,7 +238,6 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         machine = machine_of(device)
         row.update(moved_bytes=run.stats.offloaded_bytes + run.stats.prefetched_bytes,
                    recomputed_layers=run.stats.recomputed_layers,
-                   paced_layers=run.stats.paced_layers,
                    predicted_peak_bytes=run.stats.predicted_peak_bytes,
                    policy=run.stats.policy, first_step=first, steps=states,
                    plan_trials=run.plan_trials,

@@ -1,7 +1,7 @@
 """Host time the executor adds to a training step, per layer, where kernels cost almost nothing:
 a ResNet-50-shaped network 16 times narrower (the same 227 layers), batch 4 of 16 px, on the
-CPU with one thread. A paced forward (executor Rule 10) makes the device wait for this host
-time, so it is device time there too.
+CPU with one thread. Where a layer's kernels take less than this host time, the device waits
+for it, so it is device time there too.
 
 Plain PyTorch and the wrapped model alternate, ROUNDS rounds of STEPS SGD steps each, after
 warm-up steps; the record keeps every round's mean step and the median difference per layer,

@@ -1,6 +1,6 @@
 """The benchmarks' A/B switches (benchmarks/*/sitecustomize.py) apply in a fresh process put on
 PYTHONPATH, as the device commands use them: a switch that silently does nothing measures the
-runtime as it is and calls it the variant (the drain switch's first run did)."""
+runtime as it is and calls it the variant."""
 
 import os
 import subprocess
@@ -11,11 +11,14 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 PROBE = """
-from superneurons.runtime import executor
+from superneurons.runtime import executor, pool
+from superneurons.runtime.calibration import Calibration
 from superneurons.planner import trim
-print(executor.Pace.settle.__name__ == "<lambda>" and executor.Pace.settle(None, 0) is None,
-      executor.Executor._call.__name__, trim.PLANNED_SHARE)
+print(executor.Executor._call.__name__, Calibration.begin_step.__name__,
+      pool.HostMemory.__name__, trim.PLANNED_SHARE)
 """
+
+AS_IS = ["_call", "begin_step", "HostMemory", "0.97"]
 
 
 def _probe(switch: str, **environment) -> list:
@@ -25,16 +28,28 @@ def _probe(switch: str, **environment) -> list:
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.splitlines()[0].split()     # the drain switch prints at exit too
+    return done.stdout.splitlines()[0].split()
 
 
-@pytest.mark.parametrize("switch, environment, expected", [
-    ("pace_lead", {"SN_PACE_LEAD": "unpaced"}, ["True", "_call", "0.97"]),
-    ("planned_share", {"SN_PLANNED_SHARE": "0.9"}, ["False", "_call", "0.9"]),
-    # the drain switch runs pace_lead's settings itself: a process imports one sitecustomize
-    ("drain_before_conv", {"SN_PACE_LEAD": "unpaced"},
-     ["True", "_call_after_freeing_copies_in_flight", "0.97"]),
-    ("drain_before_conv", {}, ["False", "_call_after_freeing_copies_in_flight", "0.97"]),
-])
-def test_a_switch_applies_in_a_fresh_process(switch, environment, expected):
+# (switch, its environment, what the probe then prints otherwise than AS_IS, by position)
+CASES = [
+    ("planned_share", {"SN_PLANNED_SHARE": "0.9"}, {3: "0.9"}),
+    ("planned_share", {}, {}),
+    ("ab_calibration", {"SN_AB": "always_fitted"}, {0: "_fitted_call"}),
+    ("ab_calibration", {"SN_AB": "always_calibrating"}, {1: "_always"}),
+    ("ab_calibration", {}, {}),
+    ("without_fence", {}, {2: "_WithoutFence"}),
+]
+
+
+@pytest.mark.parametrize("switch, environment, changed", CASES)
+def test_a_switch_applies_in_a_fresh_process(switch, environment, changed):
+    expected = [changed.get(index, value) for index, value in enumerate(AS_IS)]
     assert _probe(switch, **environment) == expected
+
+
+def test_every_switch_is_probed():
+    """A switch in benchmarks/ unprobed here could do nothing unseen."""
+    switches = {name for name in os.listdir(os.path.join(ROOT, "benchmarks"))
+                if os.path.isfile(os.path.join(ROOT, "benchmarks", name, "sitecustomize.py"))}
+    assert switches == {switch for switch, *_ in CASES}

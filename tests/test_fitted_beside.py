@@ -1,5 +1,5 @@
 """A convolution of a step that trusts its calibration runs beside no more pool bytes than at its
-fit (executor Rule 11): on the CPU with a fake fit and fake copies in flight, on CUDA for real."""
+fit (executor Rule 10): on the CPU with a fake fit and fake copies in flight, on CUDA for real."""
 
 from contextlib import contextmanager
 

@@ -50,37 +50,23 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         net: later steps of ResNet-101 at batch 896 passed the budget by 120 MiB in 4 of 8
         steps and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
         ab_calibration_resnet101_896.json), most likely not for their engines: a fit waits
-        for the device (it returns cached blocks), and waiting before each forward layer
-        alone held them (the measurement behind Rule 10). Not at every step from the first:
-        a fitted step of DenseNet-201 at batch 783 took 3.2-3.3 s, one running the engines
-        kept 2.0 (claims_fit_every_step.json, claims_e25bb48.json). A forward or replayed
-        one that runs out of memory under its limit is retried without it (Rule 5's retry),
-        and the calibration is not made again for it: the limit failed, not the plan. A
-        backward one's out-of-memory is autograd's, beyond reach (Rule 5). Never under
+        for the device when it returns cached blocks, so the offloads beside it finish, and
+        Rule 10 frees those a trusting step still has in flight. Not at every step from
+        the first: a fitted step of DenseNet-201 at batch 783 took 3.2-3.3 s, one running the
+        engines kept 2.0 (claims_fit_every_step.json, claims_e25bb48.json). A forward or
+        replayed one that runs out of memory under its limit is retried without it (Rule 5's
+        retry), and the calibration is not made again for it: the limit failed, not the plan.
+        A backward one's out-of-memory is autograd's, beyond reach (Rule 5). Never under
         deterministic kernels: an engine chosen within less memory may round otherwise.
-Rule 10: on CUDA, once the pool has offloaded in a step, every later forward marks the compute
-        stream before each layer, and where the pool may move data after a layer (it holds
-        more than its room, or Rule 8's copies must start) the host waits until the stream has
-        run what was queued before the layer PACE_LEAD layers back; before every layer in the
-        first such forward, and after one that raised or in which the pool did so after many
-        of its layers. The pool decides from the copies it finds finished (Rules 6 and 8): with
-        the host layers ahead of the device, it decided on a device that was not there yet, and
-        the steps that trusted their calibration peaked above those that calibrated: ResNet-101
-        at batch 896 by 855 MiB, past its budget (diagnose_trusting_peak_resnet101_896_*.json).
-        Why was not found, and waiting only where the pool moves did not cure it there
-        (claims_6996e3e_paced_at_moves.json): waiting before every layer did. That idles the
-        device while the host prepares each layer: ResNet-50 in bf16 at half of plain's peak,
-        which moves data after few layers, ran at 0.55 of plain's speed waiting before each,
-        0.65 only where the pool moves (ratio_*_pace_at_*.json).
-Rule 11: on CUDA, a convolution of a step that trusts its calibration runs beside no more pool
+Rule 10: on CUDA, a convolution of a step that trusts its calibration runs beside no more pool
         bytes than it had when last fitted (Rule 9): the offloads in flight past that are freed
         first, oldest first, behind waits of the compute stream for their copies (pool Rule 4),
         not of the host. PyTorch keeps the engine fitted beside a pool whose earlier copies had
         finished (a fit waits for the device when it returns cached blocks); a step whose host
         runs ahead finds them unfinished, the pool holds their bytes within its room, and the
-        kept engine's workspace takes that room again: unpaced, ResNet-101 at batch 896 passed
-        its budget by 120 MiB in every trusting step, and held it with every copy in flight
-        freed before each convolution (diagnose_trusting_peak_resnet101_896_unpaced_3fc19e0.json,
+        kept engine's workspace takes that room again: ResNet-101 at batch 896 passed its
+        budget by 120 MiB in every trusting step, and held it with every copy in flight freed
+        before each convolution (diagnose_trusting_peak_resnet101_896_unpaced_3fc19e0.json,
         ..._drain_unpaced_3fc19e0.json).
 """
 
@@ -98,7 +84,6 @@ from ..planner import Action
 from .handles import PoolRef
 from .calibration import Calibration
 from .outside import OutsideGradients
-from .pace import Pace
 from .pool import TensorPool
 from .room import RangeMax, RoomKeeping, allocator_counts, foreign_bytes
 from .saved import SavedTensors
@@ -157,8 +142,7 @@ class Executor(RoomKeeping, SavedTensors):
             if fits_on(device) and count_foreign else None                  # Rule 9
         self.unfitted = False      # Rule 9: a retry after an out-of-memory under the fit
         self.calibrating = False
-        self.paced = False         # Rule 10
-        self.fitted_beside: dict = {}   # Rule 11: (layer, forward) -> pool bytes at its fit
+        self.fitted_beside: dict = {}   # Rule 10: (layer, forward) -> pool bytes at its fit
         self.reads_allocator = None          # known at the first step (allocator_counts)
         graph = plan.graph
         self.graph, self.gm = graph, graph.graph_module
@@ -182,7 +166,6 @@ class Executor(RoomKeeping, SavedTensors):
         self.work_before = [0.0]     # Rule 8: the plan's seconds of the route's first k layers
         for layer in plan.order:
             self.work_before.append(self.work_before[-1] + plan.costs.work[layer])
-        self.pace = Pace(device) if device.type == "cuda" else None
         # planned pool storages a layer's outputs hold: on the device from that layer on, but
         # an entry only once a layer saves them (an output the next layer saves, a branch's
         # output the join saves): until then the pool's room and the calibration count them
@@ -301,11 +284,6 @@ class Executor(RoomKeeping, SavedTensors):
         model returns it. ``foreign``: the device bytes the model does not own, where the
         caller has just read them (module Rule 3), else read here."""
         self.step_id += 1
-        # Rule 10: from the step after the pool first offloaded (a first step runs within the
-        # first-step margin)
-        self.paced = self.paced or (self.device.type == "cuda" and self.pool.offloaded_bytes > 0)
-        if self.paced:
-            self.pace.begin_forward(self.num_layers)
         self._reset_stats()
         if self.tier is not None:      # first: it may pin the state anew (to_host_memory)
             self.tier.begin_step([self._named_state(name)
@@ -324,7 +302,7 @@ class Executor(RoomKeeping, SavedTensors):
                 state_on_device=self.tier is None)
             self.calibrating = self.calibration.begin_step()
             if self.calibrating:
-                self.fitted_beside = {}                                    # Rule 11
+                self.fitted_beside = {}                                    # Rule 10
                 log.info("step %d of this plan: calibrating (reading device memory at every "
                          "layer)", self.step_id)
         self.outside.begin()                                    # outside.py Rule 3
@@ -342,8 +320,6 @@ class Executor(RoomKeeping, SavedTensors):
                 if self.tier is not None and position + 1 < self.num_layers:
                     self.tier.prefetch_layer(self.graph.layers[self.plan.order[position + 1]],
                                              env, self.mutable_state)
-                if self.paced:
-                    self.pace.before_layer(position)                         # Rule 10
                 try:
                     out = self._call(layer, call_args, kwargs, trains=True)
                 except torch.OutOfMemoryError as error:   # Rule 5: evict all that may go,
@@ -368,16 +344,10 @@ class Executor(RoomKeeping, SavedTensors):
                 # room for the next layer: what only this layer read may leave now
                 awaiting = self._awaiting_bytes()    # making room adds no entries: once
                 limit = self._room_for_next(position, awaiting)
-                if self.paced and self.pool.over(limit):                   # Rule 10
-                    self.pace.settle(position)
-                    if self.pool.over(limit):
-                        self.pace.moving(position)
                 self.pool.make_room(position + 1, forward=True, limit=limit)
                 self._offload_ahead(position, awaiting)                     # Rule 8
                 self._account(position, awaiting)
         self.layer = self.segment = None
-        if self.paced:
-            self.pace.end_forward()
         self.awaiting, self.holders = {}, {}      # what no layer saved is not the pool's
         if self.tier is not None:
             self.tier.end_forward()
@@ -420,7 +390,7 @@ class Executor(RoomKeeping, SavedTensors):
             return self._run_layer(layer, args, kwargs, trains)
         key = (layer.index, trains)          # a forward, or a replay (in backward)
         if not (self.calibrating or self.calibration.raised):
-            fitted_beside = self.fitted_beside.get(key)                    # Rule 11
+            fitted_beside = self.fitted_beside.get(key)                    # Rule 10
             if fitted_beside is not None and self.pool.drain_to(fitted_beside):
                 self.drained_convolutions += 1
             return self._run_layer(layer, args, kwargs, trains)

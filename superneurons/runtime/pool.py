@@ -177,12 +177,6 @@ class TensorPool:
             entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
             self._waiting = None                 # Rule 2's queue holds it no more
 
-    def over(self, limit: int) -> bool:
-        """Whether make_room with this ``limit`` may move data: the pool holds more than it,
-        offloads already finished freed (copies in flight may cover the rest)."""
-        self._drain(limit=None)
-        return 0 < self.device_bytes and self.device_bytes > limit
-
     def offload_early(self, step: int, nbytes: int, by_step: int) -> None:
         """Rule 6: of the least recently used entries that make_room at ``by_step`` would send
         away to have ``nbytes`` leave (copies in flight count), start copying those free to

@@ -148,12 +148,6 @@ class RoomKeeping:
         if self._held(awaiting, position) + tightest(position + 2, last) <= 0:
             return                                       # nothing ahead needs room
         need, by_step = self._leaving(position, last, awaiting, rooms)
-        if need > 0 and self.paced:              # Rule 10: decided on the device as it is
-            self.pace.settle(position)
-            pool.free_finished()
-            need, by_step = self._leaving(position, last, awaiting, rooms)
-            if need > 0:
-                self.pace.moving(position)
         if need > 0:
             pool.offload_early(position + 1, need, by_step)
 

@@ -25,10 +25,8 @@ class StepStats:
     calibration_seconds: float = 0.0
     # with state on the host: bytes of parameters sent to the device and gradients sent back
     state_moved_bytes: int = 0
-    # forward layers at which the host waited for the compute stream (executor Rule 10)
-    paced_layers: int = 0
     # convolutions before which the compute stream waited for offloads in flight, to run
-    # beside the pool they were fitted beside (executor Rule 11)
+    # beside the pool they were fitted beside (executor Rule 10)
     drained_convolutions: int = 0
     # CUDA: requests that found the caching allocator's limit reached and were tried again
     # after it returned the memory it held free, from the step's forward until these stats
@@ -79,5 +77,4 @@ def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
                      executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                      executor.calibration_seconds,
                      executor.tier.moved_bytes if executor.tier is not None else 0,
-                     executor.pace.waits if executor.paced else 0,
                      executor.drained_convolutions, retries, **made)

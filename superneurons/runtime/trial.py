@@ -3,11 +3,11 @@
 The planner picks, among the plans that fit the budget with nothing moved, the one with the
 least replay work at the machine's rates (planner/trim.py). A step's time holds more than that:
 the host's time per replayed layer, the copies the pool makes where real use passes the plan by
-the calibrated excess (and the pacing they bring, executor Rule 10), kernels slower than their
-bytes say (batch norm in bf16). So once a managed plan's first steps are done (on CUDA, its
-calibration), the other plans that fit what the budget leaves beside that excess with nothing
-moved each run a few steps, and the one whose fastest step took least, timed from one forward's
-start to the next, is kept; the others are dropped (module Rule 5).
+the calibrated excess (and the waits for them before convolutions, executor Rule 10), kernels
+slower than their bytes say (batch norm in bf16). So once a managed plan's first steps are done
+(on CUDA, its calibration), the other plans that fit what the budget leaves beside that excess
+with nothing moved each run a few steps, and the one whose fastest step took least, timed from
+one forward's start to the next, is kept; the others are dropped (module Rule 5).
 
 Rule 1: every plan is exact, so the trial changes a step's speed, never its values.
 Rule 2: a tried plan inherits the calibration of the plan it is tried against (executor Rule 4):
