@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 MODELS = ("resnet50", "efficientnet_b0", "densenet121", "gpt2")
@@ -223,10 +224,12 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
                                "drained_convolutions": run.stats.drained_convolutions,
                                "moved_bytes": run.stats.offloaded_bytes
                                + run.stats.prefetched_bytes})
-    except torch.OutOfMemoryError as error:
-        return {"ok": False, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
-    except (RuntimeError, ValueError) as error:
-        return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    except (RuntimeError, ValueError) as error:      # torch.OutOfMemoryError among them
+        # which step failed, what the steps before it did, and where: enough to tell a plan
+        # that cannot fit from a step that met something the plan does not count
+        return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:1500]}",
+                "failed_step": len(seconds), "steps": states,
+                "where": traceback.format_exc(limit=-6)[-3000:]}
     steady = timed() or seconds[-steps:]                    # or calibrating to the end
     row = {"ok": True, "per_s": per_second(name, steady), "first_step_s": seconds[0],
            "step_s": seconds, "alloc_retries": retries, "timed_steps": len(timed()),
