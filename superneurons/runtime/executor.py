@@ -49,9 +49,9 @@ Rule 9: on CUDA, while the plan calibrates, and at every step once one passed th
         otherwise take what the device allows. After a pass every step is fitted, a safety
         net: later steps of ResNet-101 at batch 896 passed the budget by 120 MiB in 4 of 8
         steps and held in 5 of 5 fitted (claims_resnet101_896_8_steps.json,
-        ab_calibration_resnet101_896.json), most likely not for their engines: a fit waits
-        for the device when it returns cached blocks, so the offloads beside it finish, and
-        Rule 10 frees those a trusting step still has in flight. Not at every step from
+        ab_calibration_resnet101_896.json), not for their engines: a fit waits for the
+        device when it returns cached blocks, so the offloads beside it finish, and a trusting
+        step met them in flight (Rule 10 frees those first now). Not at every step from
         the first: a fitted step of DenseNet-201 at batch 783 took 3.2-3.3 s, one running the
         engines kept 2.0 (claims_fit_every_step.json, claims_e25bb48.json). A forward or
         replayed one that runs out of memory under its limit is retried without it (Rule 5's
@@ -67,7 +67,9 @@ Rule 10: on CUDA, a convolution of a step that trusts its calibration runs besid
         kept engine's workspace takes that room again: ResNet-101 at batch 896 passed its
         budget by 120 MiB in every trusting step, and held it with every copy in flight freed
         before each convolution (diagnose_trusting_peak_resnet101_896_unpaced_3fc19e0.json,
-        ..._drain_unpaced_3fc19e0.json).
+        ..._drain_unpaced_3fc19e0.json); so did every claim of the README, on every step
+        (claims_nine_h100_d2c2538.json). Waiting on the host before forward layers held them
+        too, but idled the device while the host prepared each layer.
 """
 
 import logging
