@@ -17,8 +17,8 @@ tensors back. The engines chosen or kept then fit the room of a calibrated step,
 run them again, at no cost; where a later step still passed the budget, every step after it is
 fitted (executor Rule 9; ResNet-101 at batch 896 peaked 855 MiB above its calibrating steps:
 its host ran ahead of the device and the engines kept took the room of offloads still in
-flight, which executor Rule 10 now frees before each convolution). A forward convolution that runs out of memory under
-its limit runs again without it (executor Rule 9).
+flight, which executor Rule 10 now frees before each convolution). A forward convolution that
+runs out of memory under its limit runs again without it (executor Rule 9).
 
 Limits: the allocator's fraction is per process and device, so while a convolution runs under
 it, so does anything another thread allocates on that device; and cuDNN keeps its engines per
