@@ -6,12 +6,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import superneurons as sn
 from superneurons.capture.kinds import Kind
 from superneurons.runtime import allocator_cap
 from superneurons.runtime.executor import Executor
+from test_workspaces import _net as workspaces_net
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or not allocator_cap.available(),
@@ -19,12 +19,7 @@ needs_cuda = pytest.mark.skipif(
 
 
 def _net(device):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10)).to(device)
+    return workspaces_net(device, width=128)
 
 
 class _FakeFit:

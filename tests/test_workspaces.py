@@ -192,13 +192,13 @@ def test_a_backward_that_raised_gives_the_callers_limit_back(monkeypatch):
     assert fake.fraction == 1.0 and not fit.limiting
 
 
-def _net(device):
+def _net(device, width: int = 256):
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(64, 256, 3, padding=1), nn.BatchNorm2d(256), nn.ReLU(),
-        nn.Conv2d(256, 256, 3, padding=1), nn.BatchNorm2d(256), nn.ReLU(),
-        nn.Conv2d(256, 256, 3, padding=1), nn.BatchNorm2d(256), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 10)).to(device)
+        nn.Conv2d(64, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10)).to(device)
 
 
 def _managed_on_cpu():
