@@ -155,7 +155,12 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     stretch with no convolution is not cut, so a piece may make more than its size. Above the
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
-    replaying two blocks at once costs no peak and keeps half the checkpoints. A few dozen
+    replaying two blocks at once costs no peak and keeps half the checkpoints. A merged plan
+    is made only where it does cost no peak: its floor within a pool page of every block
+    replayed whole. One whose replays raise the floor fits with nothing moved only by keeping
+    fewer checkpoints, and its replays are what the pool cannot move (a ResNet-50's stem
+    merged with its first block held all but 3% of the room, and the first step, before any
+    calibration, ran out of memory there). A few dozen
     plans at most, but each a full plan: where whole blocks do not fit, they take several
     times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's blocks")."""
     graph, order = plan.graph, plan.order
@@ -176,9 +181,18 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         size = max(size + 1, size * 3 // 2)
     last_cut = max((p for p, layer in enumerate(order) if layer in cuts), default=-1)
     up_to_last_cut = sum(made[layer] for layer in order[:last_cut + 1])   # what merging spans
+    whole_floor = None
     while 0 < size < up_to_last_cut and len(cuts) > 1:
-        add(frozenset(merge_blocks(order, cuts, made, size)))
+        keep = frozenset(merge_blocks(order, cuts, made, size))
         size = max(size + 1, size * 3 // 2)
+        if keep in seen:
+            continue
+        seen.add(keep)
+        merged = build(plan.policy, segments_for(keep, plan.policy.offloads))
+        if whole_floor is None:
+            whole_floor = _floor(build(plan.policy, segments_for(cuts, plan.policy.offloads)))
+        if _floor(merged) < whole_floor + plan.costs.machine.pool_page_bytes:
+            plans.append(merged)
     return plans
 
 
