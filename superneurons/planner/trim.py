@@ -36,6 +36,14 @@ plain PyTorch's peak, where every block replayed whole does not fit, the split b
 ResNet-50 moves (trim_split_blocks.json). Each but the policy's own plan is weighed only where
 its peak is within the budget and its floor is no higher than the own plan's (within a pool
 page) or within the share below, and a split one only where it moves less than the own plan.
+
+Blocks cut or merged count among the fitting plans only under that floor's limit too: their
+replays are what the pool cannot move, and a plan that fits with nothing moved by replaying
+more at once may leave the first step, before any calibration of real use, nothing to move
+when real use passes the plan. Merged with its first block, a ResNet-50's stem fitted the
+first step's room with a few percent to spare, all of it held by that replay, and the step
+ran out of memory there (BENCHMARKS.md, "Blocks merged"). Every block replayed whole is not
+limited so where it fits: limited, it would move data in four more of the plan sweep's rows.
 """
 
 import dataclasses
@@ -99,6 +107,10 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     the one costing least in replay and moving time."""
     tries = [_trim(plan, list(plan.segments), budget, build),
              _trim(plan, candidates, budget, build)]
+    # replays the pool cannot move are weighed where their floor is within the share, or no
+    # higher than the policy's own (by less than a page of the pool's, the unit it counts in)
+    limit = max(_BLOCKS_FLOOR_SHARE * budget,
+                _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
     blocks, split = [], []                   # every block replayed, and blocks cut or merged
     for cuts in ([] if segments_for is None else _distinct(cut_sets)):
         blocks.append(build(plan.policy, segments_for(cuts)))
@@ -108,8 +120,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         else:                                # where it does not, blocks cut may
             cut = split_blocks(plan, build, segments_for, cuts)
             split += cut
-            tries.append(min((p for p in cut if p.moves_nothing_within(budget)),
-                             key=replay_work, default=None))
+            tries.append(min((p for p in cut if p.moves_nothing_within(budget)
+                              and _floor(p) <= limit), key=replay_work, default=None))
     fitting, seen = [], set()
     for option in sorted((t for t in tries if t is not None), key=replay_work):
         if _replays(option) not in seen:
@@ -118,12 +130,9 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     if fitting:      # the others are tried on the machine (runtime/trial.py)
         return dataclasses.replace(fitting[0], alternatives=tuple(fitting[1:]))
     # something must move: the Tensor Cache decides what, when. Replays the pool cannot move
-    # are weighed where their floor is within the share, or no higher than the policy's own
-    # (by less than a page of the pool's, the unit the pool counts in), and their peak within
-    # the budget; a cut plan where it moves less than the policy's own: one moving more would
-    # win only on replay time, at a higher peak
-    limit = max(_BLOCKS_FLOOR_SHARE * budget,
-                _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
+    # are weighed where their floor is within the limit and their peak within the budget; a
+    # cut plan where it moves less than the policy's own: one moving more would win only on
+    # replay time, at a higher peak
     own_moves = plan.bytes_to_move(budget)
     split = [option for option in split if option.bytes_to_move(budget) < own_moves]
     options = [plan] + [option for option in blocks + split
@@ -155,12 +164,7 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     stretch with no convolution is not cut, so a piece may make more than its size. Above the
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
-    replaying two blocks at once costs no peak and keeps half the checkpoints. A merged plan
-    is made only where it does cost no peak: its floor within a pool page of every block
-    replayed whole. One whose replays raise the floor fits with nothing moved only by keeping
-    fewer checkpoints, and its replays are what the pool cannot move (a ResNet-50's stem
-    merged with its first block held all but 3% of the room, and the first step, before any
-    calibration, ran out of memory there). A few dozen
+    replaying two blocks at once costs no peak and keeps half the checkpoints. A few dozen
     plans at most, but each a full plan: where whole blocks do not fit, they take several
     times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's blocks")."""
     graph, order = plan.graph, plan.order
@@ -181,18 +185,9 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         size = max(size + 1, size * 3 // 2)
     last_cut = max((p for p, layer in enumerate(order) if layer in cuts), default=-1)
     up_to_last_cut = sum(made[layer] for layer in order[:last_cut + 1])   # what merging spans
-    whole_floor = None
     while 0 < size < up_to_last_cut and len(cuts) > 1:
-        keep = frozenset(merge_blocks(order, cuts, made, size))
+        add(frozenset(merge_blocks(order, cuts, made, size)))
         size = max(size + 1, size * 3 // 2)
-        if keep in seen:
-            continue
-        seen.add(keep)
-        merged = build(plan.policy, segments_for(keep, plan.policy.offloads))
-        if whole_floor is None:
-            whole_floor = _floor(build(plan.policy, segments_for(cuts, plan.policy.offloads)))
-        if _floor(merged) < whole_floor + plan.costs.machine.pool_page_bytes:
-            plans.append(merged)
     return plans
 
 
