@@ -21,9 +21,9 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
   only a few convolution outputs more, where the policy's own plan keeps every one. Above the
   largest block's size, consecutive blocks are merged instead: where something else sets the
   floor (a decoder's logits and its loss), longer replays cost no peak and keep fewer block
-  outputs. Among the fitting plans only where every block replayed whole does not fit: where
-  it does, the trial's two tries (runtime/trial.py) stay with it and the planner's first
-  choice.
+  outputs; a merge that would raise the floor is not made. Among the fitting plans only
+  where every block replayed whole does not fit: where it does, the trial's two tries
+  (runtime/trial.py) stay with it and the planner's first choice.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
@@ -36,17 +36,10 @@ plain PyTorch's peak, where every block replayed whole does not fit, the split b
 ResNet-50 moves (trim_split_blocks.json). Each but the policy's own plan is weighed only where
 its peak is within the budget and its floor is no higher than the own plan's (within a pool
 page) or within the share below, and a split one only where it moves less than the own plan.
-
-Blocks cut or merged count among the fitting plans only under that floor's limit too: their
-replays are what the pool cannot move, and a plan that fits with nothing moved by replaying
-more at once may leave the first step, before any calibration of real use, nothing to move
-when real use passes the plan. Merged with its first block, a ResNet-50's stem fitted the
-first step's room with a few percent to spare, all of it held by that replay, and the step
-ran out of memory there (BENCHMARKS.md, "Blocks merged"). Every block replayed whole is not
-limited so where it fits: limited, it would move data in four more of the plan sweep's rows.
 """
 
 import dataclasses
+import functools
 
 from .policy import CHECKPOINT_KINDS, Policy, Strategy
 
@@ -107,10 +100,6 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     the one costing least in replay and moving time."""
     tries = [_trim(plan, list(plan.segments), budget, build),
              _trim(plan, candidates, budget, build)]
-    # replays the pool cannot move are weighed where their floor is within the share, or no
-    # higher than the policy's own (by less than a page of the pool's, the unit it counts in)
-    limit = max(_BLOCKS_FLOOR_SHARE * budget,
-                _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
     blocks, split = [], []                   # every block replayed, and blocks cut or merged
     for cuts in ([] if segments_for is None else _distinct(cut_sets)):
         blocks.append(build(plan.policy, segments_for(cuts)))
@@ -120,8 +109,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         else:                                # where it does not, blocks cut may
             cut = split_blocks(plan, build, segments_for, cuts)
             split += cut
-            tries.append(min((p for p in cut if p.moves_nothing_within(budget)
-                              and _floor(p) <= limit), key=replay_work, default=None))
+            tries.append(min((p for p in cut if p.moves_nothing_within(budget)),
+                             key=replay_work, default=None))
     fitting, seen = [], set()
     for option in sorted((t for t in tries if t is not None), key=replay_work):
         if _replays(option) not in seen:
@@ -130,9 +119,12 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
     if fitting:      # the others are tried on the machine (runtime/trial.py)
         return dataclasses.replace(fitting[0], alternatives=tuple(fitting[1:]))
     # something must move: the Tensor Cache decides what, when. Replays the pool cannot move
-    # are weighed where their floor is within the limit and their peak within the budget; a
-    # cut plan where it moves less than the policy's own: one moving more would win only on
-    # replay time, at a higher peak
+    # are weighed where their floor is within the share, or no higher than the policy's own
+    # (by less than a page of the pool's, the unit the pool counts in), and their peak within
+    # the budget; a cut plan where it moves less than the policy's own: one moving more would
+    # win only on replay time, at a higher peak
+    limit = max(_BLOCKS_FLOOR_SHARE * budget,
+                _floor(plan) + plan.costs.machine.pool_page_bytes - 1)
     own_moves = plan.bytes_to_move(budget)
     split = [option for option in split if option.bytes_to_move(budget) < own_moves]
     options = [plan] + [option for option in blocks + split
@@ -164,9 +156,15 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     stretch with no convolution is not cut, so a piece may make more than its size. Above the
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
-    replaying two blocks at once costs no peak and keeps half the checkpoints. A few dozen
-    plans at most, but each a full plan: where whole blocks do not fit, they take several
-    times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's blocks")."""
+    replaying two blocks at once costs no peak and keeps half the checkpoints. So a merged
+    plan is kept only where its floor is within a pool page of every block replayed whole:
+    one that raises the floor fits by keeping fewer checkpoints, and what it holds instead
+    are replays the pool cannot move. A ResNet-50's stem merged with its first block so left
+    the first step, before any calibration of real use, a few percent of its room and
+    nothing to move, and the step ran out of memory in that replay (BENCHMARKS.md, "Blocks
+    merged only where they cost no floor"). A few dozen plans at most, but each a full plan:
+    where whole blocks do not fit, they take several times the rest of a deep graph's
+    planning (BENCHMARKS.md, "A decoder's blocks")."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -175,10 +173,17 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
         largest_block = max(largest_block, block)
     plans, size, seen = [], max(made.values(), default=0), set()
 
-    def add(keep: frozenset) -> None:
-        if keep not in seen:
-            seen.add(keep)
-            plans.append(build(plan.policy, segments_for(keep, plan.policy.offloads)))
+    @functools.cache
+    def whole_floor() -> int:
+        return _floor(build(plan.policy, segments_for(cuts, plan.policy.offloads)))
+
+    def add(keep: frozenset, merged: bool = False) -> None:
+        if keep in seen:
+            return
+        seen.add(keep)
+        option = build(plan.policy, segments_for(keep, plan.policy.offloads))
+        if not merged or _floor(option) < whole_floor() + plan.costs.machine.pool_page_bytes:
+            plans.append(option)
     while 0 < size < largest_block:
         for smallest in (False, True):
             add(frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest)))
@@ -186,7 +191,7 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     last_cut = max((p for p, layer in enumerate(order) if layer in cuts), default=-1)
     up_to_last_cut = sum(made[layer] for layer in order[:last_cut + 1])   # what merging spans
     while 0 < size < up_to_last_cut and len(cuts) > 1:
-        add(frozenset(merge_blocks(order, cuts, made, size)))
+        add(frozenset(merge_blocks(order, cuts, made, size)), merged=True)
         size = max(size + 1, size * 3 // 2)
     return plans
 
