@@ -73,11 +73,10 @@ def test_where_the_lm_head_sets_the_floor_blocks_merged_fit_with_nothing_moved()
 
 
 def test_blocks_are_not_merged_where_the_merge_raises_the_floor():
-    """A ResNet-50's stem makes more than any of its blocks: merged with the first block, it
-    fitted the first step's room of a bf16 ResNet-50 at batch 192 with nothing moved, its
-    replay holding all but a few percent of the room with nothing the pool could move, and an
-    H100 ran out of memory there before the first calibration. In that room no block is
-    replayed merged with another."""
+    """A ResNet-50's stem merged with its first block fitted the first step's room of a bf16
+    ResNet-50 at batch 192 with nothing moved, its replay holding all but a few percent of the
+    room with nothing the pool could move, and an H100 ran out of memory there before the
+    first calibration. In that room no block is replayed merged with another."""
     torchvision = pytest.importorskip("torchvision")
     import superneurons as sn
     from superneurons.planner import Machine
