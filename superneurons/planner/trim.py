@@ -107,7 +107,7 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, blocks[-1]]
         else:                                # where it does not, blocks cut may
-            cut = split_blocks(plan, build, segments_for, cuts)
+            cut = split_blocks(plan, build, segments_for, cuts, _BLOCKS_FLOOR_SHARE * budget)
             split += cut
             tries.append(min((p for p in cut if p.moves_nothing_within(budget)),
                              key=replay_work, default=None))
@@ -148,7 +148,7 @@ def _floor(plan) -> int:
     return plan.peak_bytes - sum(s.nbytes for s in plan.graph.storages if s.creator is None)
 
 
-def split_blocks(plan, build, segments_for, cuts: set) -> list:
+def split_blocks(plan, build, segments_for, cuts: set, merged_floor: float = 0) -> list:
     """Plans replaying every block, where a block whose replay makes more than a size is cut at
     convolutions (CONV, FC and ATTN layers kept as checkpoints, under the policy's Rule 7),
     cut at the last convolution passed or at the smallest (split_at_convolutions); for sizes
@@ -157,14 +157,16 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
     replaying two blocks at once costs no peak and keeps half the checkpoints. So a merged
-    plan is kept only where its floor is within a pool page of every block replayed whole:
-    one that raises the floor fits by keeping fewer checkpoints, and what it holds instead
-    are replays the pool cannot move. A ResNet-50's stem merged with its first block so left
-    the first step, before any calibration of real use, a few percent of its room and
-    nothing to move, and the step ran out of memory in that replay (BENCHMARKS.md, "Blocks
-    merged only where they cost no floor"). A few dozen plans at most, but each a full plan:
-    where whole blocks do not fit, they take several times the rest of a deep graph's
-    planning (BENCHMARKS.md, "A decoder's blocks")."""
+    plan is kept only where its floor is within a pool page of every block replayed whole's,
+    or at most ``merged_floor`` (replay_only_what_the_budget_needs passes the share of the
+    budget that data-moving plans' floors are held to). One that raises the floor past both
+    fits by keeping fewer checkpoints, and what it holds instead are replays the pool cannot
+    move: a ResNet-50's stem merged with its first block so left the first step, before any
+    calibration of real use, a few percent of its room and nothing to move, and the step ran
+    out of memory in that replay (BENCHMARKS.md, "Blocks merged only where they cost no
+    floor"). A few dozen plans at most, but each a full plan: where whole blocks do not fit,
+    they take several times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's
+    blocks")."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -182,7 +184,8 @@ def split_blocks(plan, build, segments_for, cuts: set) -> list:
             return
         seen.add(keep)
         option = build(plan.policy, segments_for(keep, plan.policy.offloads))
-        if not merged or _floor(option) < whole_floor() + plan.costs.machine.pool_page_bytes:
+        if not merged or _floor(option) <= merged_floor or \
+                _floor(option) < whole_floor() + plan.costs.machine.pool_page_bytes:
             plans.append(option)
     while 0 < size < largest_block:
         for smallest in (False, True):
