@@ -307,3 +307,32 @@ def test_the_input_held_by_the_caller_does_not_tip_the_whole_block_choice():
     graph = capture(meta_model("resnet50"), input_shape("resnet50", 500))
     plan = plan_graph(graph, "superneurons", budget=int(11.5 * 2**30))
     assert plan.bytes_to_move() < 10 * 2**30
+
+
+def test_blocks_are_merged_only_where_the_floor_stays_within_whole_blocks_or_the_limit():
+    """split_blocks keeps a merged plan where its floor is within a pool page of every block
+    replayed whole's, or at most the limit it is given: with none, the merges that raise the
+    floor are dropped; with the limit above every floor, all are kept."""
+    from superneurons.planner.plan import _build
+    from superneurons.planner.policy import Strategy, find_segments, route_cuts
+    from superneurons.planner.trim import _floor, split_blocks
+    own = plans("resnet50")[Policy.SUPERNEURONS]
+    graph, order = own.graph, list(own.order)
+
+    def segments_for(keep, offloads=False):
+        return find_segments(graph, order, Strategy.COST_AWARE, own.costs, offloads=offloads,
+                             keep=keep)
+
+    def build(policy, segments):
+        return _build(graph, order, own.timeline, own.costs, policy, Strategy.COST_AWARE,
+                      None, segments, "device")
+    cuts = route_cuts(graph, order)
+    whole = _floor(build(own.policy, segments_for(cuts, own.policy.offloads)))
+    page = own.costs.machine.pool_page_bytes
+
+    def merged(plans) -> list:
+        return [p for p in plans if any(l in cuts for s in p.segments for l in s.layers[:-1])]
+    every = merged(split_blocks(own, build, segments_for, cuts, float("inf")))
+    held = merged(split_blocks(own, build, segments_for, cuts))
+    assert any(_floor(p) >= whole + page for p in every)
+    assert len(held) < len(every) and all(_floor(p) < whole + page for p in held)
