@@ -46,7 +46,7 @@ def row(record_path: str, ratio: float) -> dict:
     own = make(Policy.SUPERNEURONS)
     cuts = route_cuts(graph, order)
     blocks = make(Policy.SUPERNEURONS, segments_for(cuts))
-    split = split_blocks(own, make, segments_for, cuts)
+    split = split_blocks(own, make, segments_for, cuts, trim._BLOCKS_FLOOR_SHARE * room)
     trim.split_blocks = lambda *_: []          # the planner as it was before them
     try:
         before = plan_graph(graph, "superneurons", room, machine=H200)

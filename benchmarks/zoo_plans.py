@@ -26,23 +26,23 @@ CASES = [("resnet50", 896), ("resnet101", 896), ("resnet152", 869), ("densenet20
 DEPTHS = [("resnet_depth_2627", 865, 16), ("densenet_bc_depth_2206", 2206, 64)]
 
 
-def built(case: tuple) -> tuple:
-    """(key, model, input shape) of a claim: a zoo network at a batch, or a depth claim built
-    as benchmarks/common.py builds it."""
-    if case in DEPTHS:
-        name, size, batch = case
-        if name.startswith("resnet"):
-            return name, models.resnet(blocks=(3, 4, size, 3)), (batch, 3, 224, 224)
-        return name, models.densenet(size, 12, cifar=True), (batch, 3, 32, 32)
-    name, batch = case
+def zoo_case(name: str, batch: int) -> tuple:
+    """(key, model, input shape) of a zoo network at a batch."""
     return f"{name}@{batch}", zoo.build(name), zoo.input_shape(name, batch)
+
+
+def depth_case(name: str, size: int, batch: int) -> tuple:
+    """(key, model, input shape) of a depth claim, as benchmarks/common.py builds it."""
+    if name.startswith("resnet"):
+        return name, models.resnet(blocks=(3, 4, size, 3)), (batch, 3, 224, 224)
+    return name, models.densenet(size, 12, cifar=True), (batch, 3, 32, 32)
 
 
 def main(out: str) -> None:
     record = {**environment(), "part": "zoo_plans", "budget": "11.5GiB", "rows": {}}
-    for case in CASES + DEPTHS:
+    for make, case in [(zoo_case, c) for c in CASES] + [(depth_case, c) for c in DEPTHS]:
         with torch.device("meta"):
-            key, model, shape = built(case)
+            key, model, shape = make(*case)
         plan = sn.plan(model, shape, policy="superneurons", budget="11.5GiB")
         record["rows"][key] = {
             "peak_bytes": plan.peak_bytes, "extra_computations": plan.num_extra_computations,

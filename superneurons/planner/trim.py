@@ -21,9 +21,9 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
   only a few convolution outputs more, where the policy's own plan keeps every one. Above the
   largest block's size, consecutive blocks are merged instead: where something else sets the
   floor (a decoder's logits and its loss), longer replays cost no peak and keep fewer block
-  outputs; a merge that would raise the floor is not made. Among the fitting plans only
-  where every block replayed whole does not fit: where it does, the trial's two tries
-  (runtime/trial.py) stay with it and the planner's first choice.
+  outputs; a merge that raises the floor is made only within the share below. Among the
+  fitting plans only where every block replayed whole does not fit: where it does, the
+  trial's two tries (runtime/trial.py) stay with it and the planner's first choice.
 
 The fitting plan with the least replay work wins; the others that fit are kept beside it
 (Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
@@ -156,17 +156,15 @@ def split_blocks(plan, build, segments_for, cuts: set, merged_floor: float = 0) 
     stretch with no convolution is not cut, so a piece may make more than its size. Above the
     largest block's size, consecutive blocks are merged into pieces of at most the size
     (merge_blocks): where something else sets the floor (a decoder's LM head and its loss),
-    replaying two blocks at once costs no peak and keeps half the checkpoints. So a merged
-    plan is kept only where its floor is within a pool page of every block replayed whole's,
-    or at most ``merged_floor`` (replay_only_what_the_budget_needs passes the share of the
-    budget that data-moving plans' floors are held to). One that raises the floor past both
-    fits by keeping fewer checkpoints, and what it holds instead are replays the pool cannot
-    move: a ResNet-50's stem merged with its first block so left the first step, before any
-    calibration of real use, a few percent of its room and nothing to move, and the step ran
-    out of memory in that replay (BENCHMARKS.md, "Blocks merged only where they cost no
-    floor"). A few dozen plans at most, but each a full plan: where whole blocks do not fit,
-    they take several times the rest of a deep graph's planning (BENCHMARKS.md, "A decoder's
-    blocks")."""
+    replaying two blocks at once costs no peak and keeps half the checkpoints. A merged plan
+    is kept only where its floor is no more than a pool page above the floor of every block
+    replayed whole, or at most ``merged_floor`` (replay_only_what_the_budget_needs passes the
+    share of the budget that data-moving plans' floors are held to): a merge that raises the
+    floor past both fits only by holding replays the pool cannot move, and leaves the first
+    step, before any calibration of real use, nothing to move when real use passes the plan
+    (BENCHMARKS.md, "Blocks merged only where they cost no floor"). A few dozen plans at
+    most, but each a full plan: where whole blocks do not fit, they take several times the
+    rest of a deep graph's planning (BENCHMARKS.md, "A decoder's blocks")."""
     graph, order = plan.graph, plan.order
     made = made_bytes(graph)
     largest_block, block = 0, 0
@@ -184,9 +182,11 @@ def split_blocks(plan, build, segments_for, cuts: set, merged_floor: float = 0) 
             return
         seen.add(keep)
         option = build(plan.policy, segments_for(keep, plan.policy.offloads))
-        if not merged or _floor(option) <= merged_floor or \
-                _floor(option) < whole_floor() + plan.costs.machine.pool_page_bytes:
-            plans.append(option)
+        if merged:
+            floor, page = _floor(option), plan.costs.machine.pool_page_bytes
+            if floor > merged_floor and floor >= whole_floor() + page:
+                return                           # a merge that raises the floor past both
+        plans.append(option)
     while 0 < size < largest_block:
         for smallest in (False, True):
             add(frozenset(split_at_convolutions(graph, order, cuts, made, size, smallest)))
