@@ -297,9 +297,22 @@ def test_running_out_of_memory_twice_in_backward_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(Executor, "replay", always)
     model = small_resnet()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="backward of a superneurons step.*zero them"):
+    with pytest.raises(RuntimeError, match="backward of a superneurons step.*simulated.*the "
+                       "plan counts .* at this step.*zero them"):
         F.nll_loss(sn.wrap(model, policy="superneurons")(X), Y).backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_backward_error_says_whether_real_use_passed_the_plan():
+    """Where the allocator was read, the error sets what it held beside what the plan counts:
+    past it, real use passed the plan; within it, the request met memory held elsewhere."""
+    from superneurons.runtime.near_limit import bring_back_out_of_memory
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 294.00 MiB.")
+    said = [bring_back_out_of_memory("superneurons", 3 << 30, 2 << 30, 1 << 28,
+                                     (allocated, 3 << 30), error)
+            for allocated in (5 << 29, 1 << 31)]
+    assert "2.50 GiB were allocated" in said[0] and "real use passed the plan" in said[0]
+    assert "cannot reuse" in said[1] and "Tried to allocate 294.00 MiB" in said[1]
 
 
 def test_host_memory_is_pinned_as_offloads_need_it_and_falls_back(monkeypatch):

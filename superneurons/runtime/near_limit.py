@@ -128,6 +128,33 @@ def out_of_memory(device, step: int, budget_bytes: int | None, error: Exception,
             f"{advice(budget_bytes, reserved, allocated, limit)}.")
 
 
+def bring_back_out_of_memory(policy, budget_bytes: int, planned: int, foreign: int,
+                             held: tuple | None, error: Exception) -> str:
+    """What to tell the user of a backward step that ran out of memory twice bringing a saved
+    tensor back (executor Rule 5): what the plan counts at that step beside what the device
+    held, ``held`` (allocated, reserved) where the allocator was read, so that the cause shows:
+    real use past the plan, or memory the allocator holds but cannot reuse."""
+    said_by_torch = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    counted = (f"the plan counts {format_bytes(planned)} at this step and the tensors the "
+               f"model does not own {format_bytes(foreign)}")
+    if held is None:
+        where = counted
+    else:
+        allocated, reserved = held
+        where = (f"{format_bytes(allocated)} were allocated ({format_bytes(reserved)} "
+                 f"reserved) where {counted}: " +
+                 ("real use passed the plan (allocator rounding, workspaces, a replay's "
+                  "temporaries), and what a replay holds the pool cannot move"
+                  if allocated > planned + foreign else
+                  "the request did not fit beside memory the allocator holds but cannot reuse, "
+                  "or another process's"))
+    return (f"out of device memory in the backward of a superneurons step (policy {policy}, "
+            f"budget {format_bytes(budget_bytes)}) while bringing a saved tensor back, after "
+            f"moving out all the pool could ({said_by_torch}); {where}. The parameters are "
+            "unchanged (the optimizer has not stepped) but this step's gradients are partial: "
+            "zero them, then lower the budget or the batch")
+
+
 def managed_out_of_memory(policy, budget_bytes: int, strict_budget: bool) -> str:
     """What to tell the user of a managed step whose layer ran out of memory twice (executor
     Rule 5)."""

@@ -7,8 +7,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
-from ..units import format_bytes
+from .calibration import allocated_bytes
 from .handles import PoolRef, SlotRef, ValueRef, Written, view_of
+from .near_limit import bring_back_out_of_memory
 from .state import StateRef
 from .workspaces import FitOutOfMemory
 
@@ -69,15 +70,19 @@ class SavedTensors:
         try:
             return handle.get()
         except torch.OutOfMemoryError as error:
-            raise RuntimeError(
-                f"out of device memory in the backward of a superneurons step (policy "
-                f"{self.plan.policy}, budget {format_bytes(self.budget_bytes)}) while bringing a "
-                "saved tensor back, after moving out all the pool could: something outside the "
-                "plan holds memory. The parameters are unchanged (the optimizer has not "
-                "stepped) but this step's gradients are partial: zero them, then lower the "
-                "budget or the batch") from error
+            raise RuntimeError(self._bring_back_failed(error)) from error
         finally:
             self.unfitted = False
+
+    def _bring_back_failed(self, error: torch.OutOfMemoryError) -> str:
+        """Rule 5's clear error, with what the plan counts at the step and the device held."""
+        step = min(self.backward_step or 0, len(self.plan.steps) - 1)
+        held = None
+        if self.device.type == "cuda" and self.reads_allocator:
+            held = allocated_bytes(self.device), torch.cuda.memory_reserved(self.device)
+        return bring_back_out_of_memory(
+            self.plan.policy, self.budget_bytes, self.plan.steps[step].live_bytes,
+            self.foreign_bytes if self.count_foreign else 0, held, error)
 
     def _after_out_of_memory(self, error: torch.OutOfMemoryError, step: int,
                              forward: bool) -> None:
