@@ -143,8 +143,8 @@ def bring_back_out_of_memory(policy, budget_bytes: int, planned: int, foreign: i
         allocated, reserved = held
         where = (f"{format_bytes(allocated)} were allocated ({format_bytes(reserved)} "
                  f"reserved) where {counted}: " +
-                 ("real use passed the plan (allocator rounding, workspaces, a replay's "
-                  "temporaries), and what a replay holds the pool cannot move"
+                 ("real use passed the plan (allocator rounding, workspaces, temporaries "
+                  "it does not count), with nothing left that the pool could move"
                   if allocated > planned + foreign else
                   "the request did not fit beside memory the allocator holds but cannot reuse, "
                   "or another process's"))
