@@ -115,16 +115,22 @@ def said(device, retries: int, budget_bytes: int, reserved: int, allocated: int,
             f"{advice(budget_bytes, reserved, allocated, limit)}")
 
 
+def said_by_torch(error: Exception) -> str:
+    """The first line of PyTorch's own message (what was asked, what was free), cut short."""
+    said = str(error).strip()
+    return said.splitlines()[0][:200] if said else ""
+
+
 def out_of_memory(device, step: int, budget_bytes: int | None, error: Exception, reserved: int,
                   allocated: int, limit: int) -> str:
     """What to tell the user of training step ``step`` that ran out of memory where the runtime
     cannot retry (autograd's kernels: executor Rule 5), from its peaks (peaks())."""
-    said_by_torch = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
     budget = f"the budget is {format_bytes(budget_bytes)}" if budget_bytes else "no budget"
     return (f"training step {step} on {device} ran out of memory in PyTorch's own kernels, "
-            f"where the runtime cannot retry ({said_by_torch}). At the step's peaks the caching "
-            f"allocator reserved {format_bytes(reserved)} for {format_bytes(allocated)} "
-            f"allocated, under its limit of {format_bytes(limit)}; {budget}: "
+            f"where the runtime cannot retry ({said_by_torch(error)}). At the step's peaks "
+            f"the caching allocator reserved {format_bytes(reserved)} for "
+            f"{format_bytes(allocated)} allocated, under its limit of {format_bytes(limit)}; "
+            f"{budget}: "
             f"{advice(budget_bytes, reserved, allocated, limit)}.")
 
 
@@ -134,7 +140,6 @@ def bring_back_out_of_memory(policy, budget_bytes: int, planned: int, foreign: i
     tensor back (executor Rule 5): what the plan counts at that step beside what the device
     held, ``held`` (allocated, reserved) where the allocator was read, so that the cause shows:
     real use past the plan, or memory the allocator holds but cannot reuse."""
-    said_by_torch = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
     counted = (f"the plan counts {format_bytes(planned)} at this step and the tensors the "
                f"model does not own {format_bytes(foreign)}")
     if held is None:
@@ -150,8 +155,8 @@ def bring_back_out_of_memory(policy, budget_bytes: int, planned: int, foreign: i
                   "or another process's"))
     return (f"out of device memory in the backward of a superneurons step (policy {policy}, "
             f"budget {format_bytes(budget_bytes)}) while bringing a saved tensor back, after "
-            f"moving out all the pool could ({said_by_torch}); {where}. The parameters are "
-            "unchanged (the optimizer has not stepped) but this step's gradients are partial: "
+            f"moving out all the pool could ({said_by_torch(error)}); {where}. The parameters "
+            "are unchanged (the optimizer has not stepped) but this step's gradients are partial: "
             "zero them, then lower the budget or the batch")
 
 
