@@ -14,18 +14,50 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def under_recomputing_policies(cases: dict, towards: tuple, described) -> list:
+    """Each of ``cases`` (name -> build, tests/today_models.py's shape) under "superneurons"
+    and "recompute", at each of ``towards`` of the way from the policy's floor to the liveness
+    peak: 3 AdamW steps against plain PyTorch (matrix.compare). A row per run, with what
+    ``described(plan)`` says of the plan the wrapper ran."""
+    sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+    import superneurons as sn
+    import matrix
+    made = []
+    wrap = matrix.sn.wrap
+    matrix.sn.wrap = lambda *a, **k: made.append(wrap(*a, **k)) or made[-1]
+    rows = []
+    try:
+        for name, build in cases.items():
+            build.__qualname__ = name
+            model, args, kwargs, _ = build()
+            liveness = sn.plan(model, args, policy="liveness", kwargs=kwargs,
+                               device_type="cpu").peak_bytes
+            for policy in ("superneurons", "recompute"):
+                floor = sn.plan(model, args, policy=policy, kwargs=kwargs,
+                                device_type="cpu").peak_bytes
+                for toward in towards:
+                    budget = floor + int(toward * (liveness - floor))
+                    outcome = matrix.compare(build, policy, steps=3, optimizer="adamw",
+                                             budget=budget)
+                    plan, _ = made[-1].plan_for(*args, **kwargs)
+                    rows.append({"model": name, "policy": policy, "toward": toward,
+                                 "budget_bytes": budget, "status": outcome.status,
+                                 "replayed_layers": outcome.stats["recomputed_layers"],
+                                 "offloaded_bytes": outcome.stats["offloaded_bytes"],
+                                 **described(plan)})
+                    print(rows[-1], flush=True)
+    finally:
+        matrix.sn.wrap = wrap
+    return rows
+
+
 def main():
     sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
     import torch
     import timm
-    import superneurons as sn
-    import matrix
     from common import write
     from newcomers_decoder_blocks import _hf
     from superneurons.planner.policy import CHECKPOINT_KINDS
-    made = []
-    wrap = matrix.sn.wrap
-    matrix.sn.wrap = lambda *a, **k: made.append(wrap(*a, **k)) or made[-1]
 
     def deit():
         torch.manual_seed(0)
@@ -43,26 +75,9 @@ def main():
                                  num_attention_heads=4, num_key_value_heads=2,
                                  max_position_embeddings=128, pad_token_id=0),
         "timm deit_tiny_patch16_224": deit}
-    rows = []
-    for name, build in cases.items():
-        model, args, kwargs, _ = build()
-        liveness = sn.plan(model, args, policy="liveness", kwargs=kwargs,
-                           device_type="cpu").peak_bytes
-        for policy in ("superneurons", "recompute"):
-            floor = sn.plan(model, args, policy=policy, kwargs=kwargs,
-                            device_type="cpu").peak_bytes
-            for toward in (0.05, 0.3):
-                budget = floor + int(toward * (liveness - floor))
-                outcome = matrix.compare(build, policy, steps=3, optimizer="adamw",
-                                         budget=budget)
-                plan, _ = made[-1].plan_for(*args, **kwargs)
-                rows.append({"model": name, "policy": policy, "toward": toward,
-                             "budget_bytes": budget, "status": outcome.status,
-                             "offloaded_bytes": outcome.stats["offloaded_bytes"],
-                             "replayed_checkpoint_kinds": sum(
-                                 plan.graph.layers[l].kind in CHECKPOINT_KINDS
-                                 for l in plan.segment_of())})
-                print(rows[-1], flush=True)
+    rows = under_recomputing_policies(cases, (0.05, 0.3), lambda plan: {
+        "replayed_checkpoint_kinds": sum(plan.graph.layers[l].kind in CHECKPOINT_KINDS
+                                         for l in plan.segment_of())})
     write(os.path.join(sys.argv[1], "newcomers_blocks_policies.json"), {"rows": rows})
 
 
