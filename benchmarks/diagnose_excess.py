@@ -1,6 +1,9 @@
-"""Where real use exceeds the plan (executor Rule 4): per layer boundary of the calibrating
-steps, the excess the calibration reads, and at the largest one the allocator's live blocks
-grouped by where they were made; then what the later steps moved and took.
+"""Where real use differs from the plan (executor Rule 4): per layer boundary of the calibrating
+steps, real use less the plan's count (the excess the calibration reads where positive; where
+negative, room the plan counted and the step did not use), and at the largest excess the
+allocator's live blocks grouped by where they were made; then what the later steps moved and
+took, and the plan then running against its alternatives (their peaks with every checkpoint
+kept, and their replays' seconds at the machine's rates).
 
     python benchmarks/diagnose_excess.py OUT_DIR MODEL:DTYPE:RATIO [...]
 
@@ -40,7 +43,7 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
                                  "others": others, "allocated": self.read(),
                                  "blocks": live_blocks(("torch/", "torchvision"), 25)}
         readings[state["step"]].append(
-            (step, max(0, self.read() - others - pool - planned), planned, pool))
+            (step, self.read() - others - pool - planned, planned, pool))
         return observe(self, step, others, planned, pool)
 
     calibration.Calibration.observe = recording
@@ -69,9 +72,15 @@ def child(name: str, dtype: str, ratio: float, out: str) -> None:
     for position, layer in enumerate(plan.order):
         layer_of_step[position] = plan.graph.layers[layer].name
         layer_of_step[executor.bwd(layer)] = "backward " + plan.graph.layers[layer].name
+    from superneurons.planner.trim import replay_work
+    plans = [{"replayed_layers": option.num_extra_computations,
+              "replay_seconds": replay_work(option),
+              "kept_peak_bytes": max(option._kept_live, default=0)}
+             for option in (plan, *plan.alternatives)]
     record = {"model": name, "dtype": dtype, "ratio": ratio, "cap_bytes": cap,
               "budget_bytes": executor.budget_bytes, "predicted_peak_bytes": plan.peak_bytes,
               "excess_bytes": executor.excess_bytes, "steps": steps,
+              "foreign_bytes": executor.foreign_bytes, "plans": plans,
               "snapshot": state["snapshot"],
               "readings": {str(step): [[s, layer_of_step.get(s, "?"), e, p, q]
                                        for s, e, p, q in rows]

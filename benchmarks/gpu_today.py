@@ -1,13 +1,15 @@
 """Models people train today, on CUDA: exactness against plain PyTorch, and a decoder's speed at
 fractions of plain PyTorch's own peak memory.
 
-    python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F]
+    python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N]
                                                       # efficientnet_b0, convnext_tiny, vit_b_16,
                                                       # HF GPT-2: plain-vs-plain control, then
                                                       # every policy at a budget that forces it:
                                                       # F of the way from the policy's floor to
                                                       # the liveness peak (0.5; near 0, data
-                                                      # must move)
+                                                      # must move), N AdamW steps (3; past the
+                                                      # calibrating ones, steps trust their
+                                                      # calibration and drain: executor Rule 10)
     python benchmarks/gpu_today.py ratio OUT.json     # GPT-2 small (12 layers, d 768, seq 1024,
                                                       # batch 16, AdamW) at 0.5 and 0.25 of
                                                       # plain's peak: plain, checkpoint per
@@ -61,7 +63,9 @@ def _exact_cases(device):
     }
 
 
-def _train(model, args, kwargs, loss_of, steps=3):
+def _train(model, args, kwargs, loss_of, steps=3, drained=None):
+    """Losses of ``steps`` AdamW steps; with ``drained``, a wrapped model's convolutions
+    drained per step appended to it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
@@ -71,6 +75,8 @@ def _train(model, args, kwargs, loss_of, steps=3):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if drained is not None:
+            drained.append(model.stats.drained_convolutions)
     return losses
 
 
@@ -89,11 +95,12 @@ def _difference(a, b) -> float:
                if sa[k].is_floating_point()) if sa else 0.0
 
 
-def exact(out: str, names=(), toward: float = 0.5) -> None:
+def exact(out: str, names=(), toward: float = 0.5, steps: int = 3) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda")
-    record = {**environment(), "part": "exact", "toward": toward, "complete": False,
+    record = {**environment(), "part": "exact", "toward": toward, "steps": steps,
+              "complete": False,
               "models": {}}
     for name, (build, batch) in _exact_cases(device).items():
         if names and name not in names:
@@ -102,9 +109,9 @@ def exact(out: str, names=(), toward: float = 0.5) -> None:
         base = build().to(device).train()
         args, kwargs, loss_of = batch()
         reference = copy.deepcopy(base)
-        expected = _train(reference, args, kwargs, loss_of)
+        expected = _train(reference, args, kwargs, loss_of, steps)
         control = copy.deepcopy(base)
-        rows = {"plain_vs_plain": {"losses_equal": _train(control, args, kwargs, loss_of)
+        rows = {"plain_vs_plain": {"losses_equal": _train(control, args, kwargs, loss_of, steps)
                                    == expected, "max_state_difference":
                                    _difference(reference, control)}}
         del control
@@ -124,7 +131,8 @@ def exact(out: str, names=(), toward: float = 0.5) -> None:
                 budget = others + floor + int(toward * (graph_peak - floor)) \
                     if floor < graph_peak else None
                 wrapped = sn.wrap(model, policy=policy, budget=budget)
-                losses = _train(wrapped, args, kwargs, loss_of)
+                drained = []
+                losses = _train(wrapped, args, kwargs, loss_of, steps, drained)
                 stats = wrapped.stats
                 rows[policy] = {
                     "budget_bytes": budget, "liveness_peak_bytes": graph_peak,
@@ -132,7 +140,8 @@ def exact(out: str, names=(), toward: float = 0.5) -> None:
                     "max_state_difference": _difference(reference, model),
                     "recomputed_layers": stats.recomputed_layers,
                     "replayed_checkpoint_kinds": _replayed(wrapped, args, kwargs),
-                    "offloaded_bytes": stats.offloaded_bytes, "seconds": round(
+                    "offloaded_bytes": stats.offloaded_bytes,
+                    "drained_convolutions": drained, "seconds": round(
                         time.perf_counter() - started, 2)}
             except Exception as error:  # noqa: BLE001 -- recorded, the run goes on
                 rows[policy] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
@@ -232,7 +241,11 @@ if __name__ == "__main__":
         if "--toward" in rest:
             at = rest.index("--toward")
             toward, rest = float(rest[at + 1]), rest[:at] + rest[at + 2:]
-        exact(sys.argv[2], rest, toward)
+        steps = 3
+        if "--steps" in rest:
+            at = rest.index("--steps")
+            steps, rest = int(rest[at + 1]), rest[:at] + rest[at + 2:]
+        exact(sys.argv[2], rest, toward, steps)
     elif part == "ratio":
         ratio(sys.argv[2])
     elif part == "one":

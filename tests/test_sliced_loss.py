@@ -281,6 +281,40 @@ def test_a_cast_read_besides_the_loss_stays_whole(returns):
     assert sliced_cast_cross_entropy_loss not in targets
 
 
+class _CastsForItsLossAlone(torch.nn.Module):
+    """fp32 weights, logits cast to float32 for the loss alone, which is all it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(self.head(self.embed(ids)).float().view(-1, 50), labels.view(-1))
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_plan_on_the_meta_device_slices_the_cast_as_the_step_under_autocast_does(device_type):
+    """Rule 5 where the trace ran without the step's autocast (sn.plan on the meta device): the
+    float32 cast of a matrix product's logits, whole in the trace, is sliced in the plan as in
+    the step captured under a real autocast (the CPU's here), and each step is planned as
+    that one."""
+    from superneurons.capture import capture
+    ids = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+    planned = sn.plan(_CastsForItsLossAlone(), (ids.to("meta"), ids.to("meta")), "liveness",
+                      autocast=torch.bfloat16, device_type=device_type)
+    targets = [layer.node.target for layer in planned.graph.layers]
+    assert sliced_cast_cross_entropy_loss in targets
+    if device_type == "cpu":
+        state = ("cpu", torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            real = capture(_CastsForItsLossAlone(), (ids, ids), state)
+        ran = sn.planner.plan_graph(real, "liveness")
+        assert [s.live_bytes for s in planned.steps] == [s.live_bytes for s in ran.steps]
+    unsliced = sn.plan(_CastsForItsLossAlone(), (ids.to("meta"), ids.to("meta")), "liveness",
+                       autocast=torch.bfloat16, device_type=device_type, slice_loss=False)
+    assert planned.peak_bytes < unsliced.peak_bytes
+
+
 def test_a_decoder_kept_in_bf16_trains_as_plain_pytorch_within_a_budget():
     """Rule 5 in training: HF GPT-2 with bf16 weights, its loss on logits.float(), 3 AdamW
     steps at a budget between superneurons' floor and the liveness peak, bit for bit."""

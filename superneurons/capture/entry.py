@@ -79,7 +79,7 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
-        slice_losses(gm)
+        slice_losses(gm, autocast)
     # with each input's requires_grad: a frozen model's input may need a gradient
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
