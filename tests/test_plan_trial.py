@@ -199,7 +199,8 @@ def test_every_block_replayed_as_it_is_is_among_the_alternatives_where_it_fits()
     assert most is not chosen and most.moves_nothing_within(budget)
     assert replayed_convolutions(most) > max(replayed_convolutions(p) for p in (
         chosen, *chosen.alternatives) if p is not most)
-    assert len(most.segments) <= len(chosen.segments)
+    cheap = [p for p in (chosen, *chosen.alternatives) if not replayed_convolutions(p)]
+    assert cheap and all(len(most.segments) <= len(p.segments) for p in cheap)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -9,7 +9,11 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
   Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
   time, costs.work) while the plan that keeps every checkpoint on the device still fits;
 - whole blocks (policy Rule 8): every block replayed, then the least useful blocks back to
-  replaying only their cheap layers, then the least useful segments dropped, as above; and
+  replaying only their cheap layers, then the least useful segments dropped, as above; every
+  block replayed, then the least useful blocks not replayed at all while the plan fits (a
+  few blocks replayed whole can cost less than many cheap layers and free as much: GPT-2
+  small in bf16, whose blocks' cheap layers, the GELU's eight float32 elementwise layers
+  among them, cost more to replay than its whole blocks and keep more); and
   every block replayed as it is, the fewest and largest replays: a replay costs the host time
   per segment and per layer that the byte model does not see, and checkpointing per block ran
   efficientnet_b0 in bf16 faster than the cheapest plan's many small replays
@@ -105,7 +109,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
         blocks.append(build(plan.policy, segments_for(cuts)))
         trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
         if trimmed is not None:              # then every block replayed fits too
-            tries += [trimmed, blocks[-1]]
+            tries += [trimmed, blocks[-1], _trim(blocks[-1], list(blocks[-1].segments),
+                                                 budget, build)]
         else:                                # where it does not, blocks cut may
             cut = split_blocks(plan, build, segments_for, cuts, _BLOCKS_FLOOR_SHARE * budget)
             split += cut
