@@ -1,0 +1,75 @@
+"""GPT-2 small in bf16 planned on the CPU as the wrapped CUDA step plans it, in the rooms a ratio
+record's superneurons row had: its first step's budget, and its last step's (the budget less the
+memory the model did not own and the calibrated excess). No GPU needed.
+
+    python benchmarks/gpt2_bf16_plans.py OUT_DIR RECORD.json [--ratio 0.5]
+
+The wrapper captures the model from the real call under CUDA's autocast, so the graph's logits
+are bf16 and the loss's float32 copy of them is sliced (capture/sliced_loss.py Rule 5). sn.plan
+on the meta device traces without autocast, where that copy cannot be told from the logits the
+model returns (trace.py Rule 7), and plans it whole. Here the model is exported from CPU tensors
+under the CPU's bf16 autocast, which gives the graph the dtypes of the step's, and analyzed under
+CUDA's autocast as the wrapper analyzes it. For each room: the chosen plan and its alternatives,
+each with its peak with every checkpoint kept on the device (what "moves nothing" is held to),
+its replays' seconds at the H200's rates and the layers it replays; and the meta capture's
+chosen plan beside them. Writes OUT_DIR/gpt2_bf16_plans.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def described(plan) -> dict:
+    from superneurons.planner.trim import replay_work
+    return {"kept_peak_bytes": max(plan._kept_live, default=0),
+            "replay_seconds": replay_work(plan), "replayed_layers": plan.num_extra_computations,
+            "segments": len(plan.segments)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("record")
+    parser.add_argument("--ratio", type=float, default=0.5)
+    args = parser.parse_args()
+    sys.path.insert(0, HERE)
+    import torch
+    from common import write
+    from ratio import build
+    from superneurons.capture import capture
+    from superneurons.capture.hf import without_full_mask
+    from superneurons.planner import H200, plan_graph
+    from superneurons.planner.plan import captured_step
+    with open(args.record) as f:
+        record = json.load(f)
+    row = next(r for r in record["rows"] if r["system"] == "superneurons"
+               and r["ratio"] == args.ratio)
+    last = row["steps"][-1]
+    budget = row["first_step"]["budget_bytes"]
+    rooms = {"first_step": budget,
+             "last_step": budget - last["foreign_bytes"] - (last["excess_bytes"] or 0)}
+    model, _, kwargs, _ = build("gpt2", "superneurons", torch.device("cpu"))
+    kwargs = without_full_mask(model, dict(kwargs))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stepped = capture(model, (), ("cuda", torch.bfloat16), kwargs)
+    meta_model, _, meta_kwargs, _ = build("gpt2", "superneurons", torch.device("meta"))
+    traced = captured_step(meta_model, (), autocast=torch.bfloat16, kwargs=meta_kwargs)
+    plans = {}
+    for name, room in rooms.items():
+        chosen = plan_graph(stepped, "superneurons", room, machine=H200)
+        plans[name] = {"room_bytes": room, "chosen": described(chosen),
+                       "alternatives": [described(p) for p in chosen.alternatives],
+                       "meta_capture_chosen": described(
+                           plan_graph(traced, "superneurons", room, machine=H200))}
+        print(name, json.dumps(plans[name]), flush=True)
+    write(os.path.join(args.out, "gpt2_bf16_plans.json"),
+          {"record": os.path.basename(args.record), "ratio": args.ratio, "plans": plans,
+           "liveness_peak_bytes": plan_graph(stepped, "liveness", machine=H200).peak_bytes})
+
+
+if __name__ == "__main__":
+    main()
