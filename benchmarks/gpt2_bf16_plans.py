@@ -11,8 +11,10 @@ model returns (trace.py Rule 7), and plans it whole. Here the model is exported 
 under the CPU's bf16 autocast, which gives the graph the dtypes of the step's, and analyzed under
 CUDA's autocast as the wrapper analyzes it. For each room: the chosen plan and its alternatives,
 each with its peak with every checkpoint kept on the device (what "moves nothing" is held to),
-its replays' seconds at the H200's rates and the layers it replays; and the meta capture's
-chosen plan beside them. Writes OUT_DIR/gpt2_bf16_plans.json.
+its replays' seconds at the H200's rates and the layers it replays; the meta capture's chosen
+plan beside them; and the policy's own plan (every cheap layer replayed). Also one block's
+layers as the step's graph has them: kind, dtype and bytes made, and a replay's seconds.
+Writes OUT_DIR/gpt2_bf16_plans.json.
 """
 
 import argparse
@@ -66,9 +68,28 @@ def main():
                        "meta_capture_chosen": described(
                            plan_graph(traced, "superneurons", room, machine=H200))}
         print(name, json.dumps(plans[name]), flush=True)
+    own = plan_graph(stepped, "superneurons", machine=H200)
     write(os.path.join(args.out, "gpt2_bf16_plans.json"),
           {"record": os.path.basename(args.record), "ratio": args.ratio, "plans": plans,
+           "own_plan": described(own), "block_5": block_layers(own, "transformer.h.5."),
            "liveness_peak_bytes": plan_graph(stepped, "liveness", machine=H200).peak_bytes})
+
+
+def block_layers(plan, prefix: str) -> list:
+    """The layers named under ``prefix``, in the route's order: kind, the dtype and bytes of
+    the storages each makes, and its replay's seconds (costs.work)."""
+    graph, rows = plan.graph, []
+    for index in plan.order:
+        layer = graph.layers[index]
+        if not layer.name.startswith(prefix):
+            continue
+        made = [graph.values[v] for v in layer.outputs
+                if graph.storages[graph.values[v].storage].creator == index]
+        rows.append({"layer": layer.name, "kind": layer.kind.value,
+                     "dtypes": sorted({str(v.dtype) for v in made}),
+                     "made_bytes": sum(graph.storages[v.storage].nbytes for v in made),
+                     "replay_seconds": plan.costs.work[index]})
+    return rows
 
 
 if __name__ == "__main__":
