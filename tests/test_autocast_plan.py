@@ -110,6 +110,17 @@ def test_cuda_autocast_plans_a_half_log_softmax_and_a_float32_copy():
     assert saved and set(saved) == {"torch.float32"}
 
 
+@pytest.fixture
+def traced_without_autocast(monkeypatch):
+    """A meta capture traced under no autocast, as a model on a device whose autocast the
+    plan does not name is (entry.py): where trace.py Rule 7 plans both readings of a cast."""
+    import contextlib
+    from superneurons.capture import entry
+    monkeypatch.setattr(entry, "_under_the_step_autocast",
+                        lambda model, args, kwargs, autocast, device:
+                        (device, contextlib.nullcontext()))
+
+
 class _CastsItsLogits(nn.Module):
     """Returns its bf16 logits beside a loss computed from a float32 copy of them, as HF's
     causal LMs do (logits.float() in the loss): traced in float32, the copy is the logits."""
@@ -125,11 +136,32 @@ class _CastsItsLogits(nn.Module):
         return loss, logits.view(-1, 50) if self.viewed else logits
 
 
-def test_a_cast_the_loss_alone_reads_is_planned_above_the_step_where_the_trace_cannot_tell():
+def test_a_meta_plan_slices_the_cast_the_loss_alone_reads_as_the_step_does():
+    """entry.py: traced on the meta device under the CPU's autocast, the float32 copy
+    HF-style logits are cast into for the loss alone is made per slice as in the step traced
+    under a real autocast (sliced_loss.py Rule 5), and every policy plans each step as there."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32))   # 128 rows
+    for device_type in ("cpu", "cuda"):
+        meta = capture(_CastsItsLogits(), (ids.to("meta"), labels.to("meta")),
+                       (device_type, torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            real = capture(_CastsItsLogits(), (ids, labels), (device_type, torch.bfloat16))
+        assert not meta.cast_from
+        for graph in (meta, real):
+            assert any(layer.node.target is sliced_loss.sliced_cast_cross_entropy_loss
+                       for layer in graph.layers)
+        for policy in ("recompute", "superneurons", "liveness"):
+            planned, ran = (sn.planner.plan_graph(graph, policy) for graph in (meta, real))
+            assert [s.live_bytes for s in planned.steps] == [s.live_bytes for s in ran.steps]
+
+
+def test_a_cast_the_loss_alone_reads_is_planned_above_the_step_where_the_trace_cannot_tell(
+        traced_without_autocast):
     """sliced_loss.py Rule 5 with trace.py Rule 7: traced under a real autocast, the float32
     copy HF-style logits are cast into for the loss alone is made per slice (the layer takes
-    the bf16 logits); traced on the meta device, the cast may be what the model returns, so
-    both stay, and every policy's plan there is at or above the real one."""
+    the bf16 logits); traced under none, the cast may be what the model returns, so both
+    stay, and every policy's plan there is at or above the real one."""
     torch.manual_seed(0)
     ids, labels = torch.randint(0, 50, (4, 32)), torch.randint(0, 50, (4, 32))   # 128 rows
     meta = capture(_CastsItsLogits(), (ids.to("meta"), labels.to("meta")),
@@ -183,7 +215,7 @@ def _meta_and_real(model, outside: bool = False, policy=sn.planner.Policy.LIVENE
 
 
 @pytest.mark.parametrize("viewed", [False, True])
-def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast(viewed):
+def test_a_cast_that_was_a_no_op_when_traced_keeps_what_it_cast(viewed, traced_without_autocast):
     """trace.py Rule 7: planned on the meta device (traced without autocast), the logits the
     model returns (or a view of them) stay outputs beside their float32 copy, and every step is
     planned as in the graph traced under a real autocast, where the two are different tensors."""
@@ -241,7 +273,7 @@ def _toy_meta_and_real(model):
 
 
 @pytest.mark.parametrize("shape", ["hf_gpt2", "returns_cast", "returns_cast_viewed"])
-def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape):
+def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape, traced_without_autocast):
     """plan.py with trace.py Rule 7: a cast the trace could not tell from what it cast may be
     the step's intermediate (HF's float32 logits, which its loss reads: replayed from the bf16
     logits, which live into backward) or its output (kept). Either reading alone planned some
@@ -257,7 +289,18 @@ def test_no_policy_plans_a_step_below_either_reading_of_a_cast(shape):
         assert all(m.live_bytes >= r.live_bytes for m, r in zip(planned, ran)), policy
 
 
-def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again():
+def test_a_meta_plan_of_hf_gpt2_under_autocast_is_the_steps():
+    """entry.py: HF's GPT-2 returns its bf16 logits and casts a float32 copy for its loss;
+    traced on the meta device under the CPU's autocast, every policy plans every step as in
+    the graph traced from real tensors under a real autocast."""
+    meta, real = _hf_gpt2_meta_and_real()
+    assert not meta.cast_from
+    for policy in ("recompute", "superneurons", "offload", "liveness", "baseline"):
+        planned, ran = (sn.planner.plan_graph(graph, policy).steps for graph in (meta, real))
+        assert [m.live_bytes for m in planned] == [r.live_bytes for r in ran], policy
+
+
+def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again(traced_without_autocast):
     """A plan's graph holds the reading it took; made again from it (module Rules 2 and 3
     plan the step again from plan.graph), both readings are planned again."""
     meta, _ = _hf_gpt2_meta_and_real()
@@ -271,14 +314,14 @@ def test_a_plan_made_again_from_its_own_graph_plans_both_readings_again():
 
 
 @pytest.mark.parametrize("viewed", [False, True])
-def test_a_cast_the_model_returns_alone_is_its_only_output(viewed):
+def test_a_cast_the_model_returns_alone_is_its_only_output(viewed, traced_without_autocast):
     """Rule 7 leaves a cast that nothing but the output (or a view it returns) reads: it is
     what the model returns."""
     meta, real = _meta_and_real(_ReturnsItsCast(viewed))
     assert [s.live_bytes for s in meta.steps] == [s.live_bytes for s in real.steps]
 
 
-def test_a_cast_and_what_it_cast_get_one_gradient_from_outside():
+def test_a_cast_and_what_it_cast_get_one_gradient_from_outside(traced_without_autocast):
     """gradients.py Rule 5 with trace.py Rule 7: of the float32 copy and the bf16 logits the
     model may return, the larger alone gets a gradient from outside. The real step gives one to
     the bf16 logits, so the meta plan is above it by the difference of the two alone."""

@@ -75,7 +75,9 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
         log.info("capturing %s with torch.export", type(model).__name__)
-        exported = export_graph(model, args, kwargs, device, packed_positions)
+        traced_on, under = _under_the_step_autocast(model, args, kwargs, autocast, device)
+        with under:
+            exported = export_graph(model, args, kwargs, traced_on, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
@@ -104,6 +106,29 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     graph.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     graph.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return graph
+
+
+def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device) -> tuple:
+    """(the device to export on, the autocast to export under) so that the trace's dtypes are
+    the step's: what a cast makes, and whether the model returns a cast or what it cast (HF's
+    causal LMs return bf16 logits and cast a float32 copy for the loss alone: sliced_loss.py
+    Rule 5, trace.py Rule 7). A step's own call runs under its autocast already. A plan
+    (sn.plan) of a model on the autocast's device type is traced under that autocast; one on
+    the meta device, where no autocast acts, or on the CPU, under the CPU's autocast on fake
+    CPU tensors: its lists put matrix products in the lower precision as CUDA's do, and the
+    analysis runs the step's own lists (autocast.py). A model elsewhere is traced without autocast, and trace.py Rule 7 plans both readings of
+    a cast it cannot tell."""
+    if autocast is None or torch.is_autocast_enabled(autocast[0]):
+        return device, contextlib.nullcontext()
+    device_type, dtype = autocast
+    called = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    where = device or next((t.device for t in (*model.parameters(), *model.buffers(), *called)
+                            if t.device.type != "meta"), None)
+    if where is not None and where.type == device_type:
+        return device, torch.autocast(device_type, dtype=dtype)
+    if where is None or where.type == "cpu":
+        return torch.device("cpu"), torch.autocast("cpu", dtype=dtype)
+    return device, contextlib.nullcontext()          # trace.py Rule 7 plans both readings
 
 
 def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:

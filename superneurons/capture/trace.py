@@ -36,7 +36,9 @@ Rule 7: an output made by an operation that returned its input, or a view of it,
         while at the cast's own backward step the plan can be below it by the bfloat16
         tensor. Traced under a real autocast, a cast the loss alone reads is made per slice
         (sliced_loss.py Rule 5); traced here, where it may be what the model returns, it
-        stays whole, so that plan is above the step by up to the float32 copy.
+        stays whole, so that plan is above the step by up to the float32 copy. A plan on the
+        meta device or the CPU is traced under the CPU's autocast (entry.py), where such a
+        cast is a tensor of its own: this rule is for models traced under no autocast.
 """
 
 import contextlib
