@@ -5,11 +5,12 @@ memory the model did not own and the calibrated excess). No GPU needed.
     python benchmarks/gpt2_bf16_plans.py OUT_DIR RECORD.json [--ratio 0.5]
 
 The wrapper captures the model from the real call under CUDA's autocast, so the graph's logits
-are bf16 and the loss's float32 copy of them is sliced (capture/sliced_loss.py Rule 5). sn.plan
-on the meta device traces without autocast, where that copy cannot be told from the logits the
-model returns (trace.py Rule 7), and plans it whole. Here the model is exported from CPU tensors
-under the CPU's bf16 autocast, which gives the graph the dtypes of the step's, and analyzed under
-CUDA's autocast as the wrapper analyzes it. For each room: the chosen plan and its alternatives,
+are bf16 and the loss's float32 copy of them is sliced (capture/sliced_loss.py Rule 5). Here the
+model is exported from CPU tensors under the CPU's bf16 autocast, which gives the graph the
+dtypes of the step's, and analyzed under CUDA's autocast as the wrapper analyzes it. Beside it,
+sn.plan's capture of the model on the meta device (traced without autocast before 5ac2ce9, where
+that copy could not be told from the logits the model returns, trace.py Rule 7, and was planned
+whole). For each room: the chosen plan and its alternatives,
 each with its peak with every checkpoint kept on the device (what "moves nothing" is held to),
 its replays' seconds at the H200's rates and the layers it replays; the meta capture's chosen
 plan beside them; and the policy's own plan (every cheap layer replayed). Also one block's
@@ -41,7 +42,8 @@ def main():
     sys.path.insert(0, HERE)
     import torch
     from common import write
-    from ratio import build
+    from common import gpt2
+    from ratio import SEQUENCE, VOCAB, build
     from superneurons.capture import capture
     from superneurons.capture.hf import without_full_mask
     from superneurons.planner import H200, plan_graph
@@ -58,7 +60,10 @@ def main():
     kwargs = without_full_mask(model, dict(kwargs))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         stepped = capture(model, (), ("cuda", torch.bfloat16), kwargs)
-    meta_model, _, meta_kwargs, _ = build("gpt2", "superneurons", torch.device("meta"))
+    with torch.device("meta"):              # built there, its LM head stays tied to wte
+        meta_model = gpt2(positions=SEQUENCE, vocab=VOCAB).train()
+    meta_kwargs = dict(kwargs, input_ids=kwargs["input_ids"].to("meta"))
+    meta_kwargs["labels"] = meta_kwargs["input_ids"]          # one tensor, as the call's
     traced = captured_step(meta_model, (), autocast=torch.bfloat16, kwargs=meta_kwargs)
     plans = {}
     for name, room in rooms.items():
@@ -72,6 +77,8 @@ def main():
     write(os.path.join(args.out, "gpt2_bf16_plans.json"),
           {"record": os.path.basename(args.record), "ratio": args.ratio, "plans": plans,
            "own_plan": described(own), "block_5": block_layers(own, "transformer.h.5."),
+           "floor_bytes": own.peak_bytes,
+           "meta_capture_floor_bytes": plan_graph(traced, "superneurons", machine=H200).peak_bytes,
            "liveness_peak_bytes": plan_graph(stepped, "liveness", machine=H200).peak_bytes})
 
 
