@@ -294,9 +294,9 @@ class _CastsForItsLossAlone(torch.nn.Module):
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_a_plan_on_the_meta_device_slices_the_cast_as_the_step_under_autocast_does(device_type):
-    """Rule 5 where the trace ran without the step's autocast (sn.plan on the meta device): the
-    float32 cast of a matrix product's logits, whole in the trace, is sliced in the plan as in
-    the step captured under a real autocast (the CPU's here), and each step is planned as
+    """Rule 5 in sn.plan on the meta device, where no autocast acts (capture/entry.py traces it
+    under the CPU's): the float32 cast of a matrix product's logits is sliced in the plan as
+    in the step captured under a real autocast (the CPU's here), and each step is planned as
     that one."""
     from superneurons.capture import capture
     ids = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))

@@ -75,12 +75,6 @@ REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}                        # at::Reduc
 _ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
 
 
-def runs_in_lower_precision(device_type: str, name: str) -> bool:
-    """Whether autocast on ``device_type`` runs the op named ``name`` in its lower precision
-    (Rule 2's names)."""
-    return name in _LOWER.get(device_type, ())
-
-
 def casts_cross_entropy(device_type: str) -> bool:
     """Whether autocast on ``device_type`` runs a cross-entropy's input in float32 (Rule 4)."""
     return "cross_entropy_loss" in _FLOAT32.get(device_type, ())

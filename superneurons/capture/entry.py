@@ -81,7 +81,7 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
-        slice_losses(gm, autocast)
+        slice_losses(gm)
     # with each input's requires_grad: a frozen model's input may need a gradient
     meta = [meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat]
     log.info("analyzing the graph's %d nodes on the meta device", len(gm.graph.nodes))
@@ -116,8 +116,8 @@ def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device)
     (sn.plan) of a model on the autocast's device type is traced under that autocast; one on
     the meta device, where no autocast acts, or on the CPU, under the CPU's autocast on fake
     CPU tensors: its lists put matrix products in the lower precision as CUDA's do, and the
-    analysis runs the step's own lists (autocast.py). A model elsewhere is traced without autocast, and trace.py Rule 7 plans both readings of
-    a cast it cannot tell."""
+    analysis runs the step's own lists (autocast.py). A model elsewhere is traced without
+    autocast, and trace.py Rule 7 plans both readings of a cast it cannot tell."""
     if autocast is None or torch.is_autocast_enabled(autocast[0]):
         return device, contextlib.nullcontext()
     device_type, dtype = autocast

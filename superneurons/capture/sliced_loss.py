@@ -49,10 +49,7 @@ Rule 4: only the graph's top level is rewritten: a loss inside a grad-mode or au
 Rule 5: a cross-entropy whose logits are a view of a cast to float32 that nothing else reads
         (HF's logits.float().view(-1, vocab)) takes the cast's source: a half-precision source
         is cast slice by slice, and its gradient comes back in its own dtype, so neither the
-        float32 copy nor its float32 gradient is ever whole. The source's dtype is the step's:
-        a graph traced without the step's autocast (sn.plan on the meta device) reads a
-        matrix product autocast runs in half precision, or a view of one, as that precision,
-        so that the plan is made for the graph the wrapped step runs.
+        float32 copy nor its float32 gradient is ever whole.
 """
 
 import torch
@@ -60,7 +57,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.overrides import _get_current_function_mode_stack
 
-from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy, runs_in_lower_precision
+from .autocast import REDUCTIONS, AutocastOnMeta, casts_cross_entropy
 
 __all__ = ["slice_losses", "SLICED_LOSSES", "SLICES", "SLICE_BYTES", "ROW_ALIGNMENT",
            "sliced_cast_cross_entropy_loss"]
@@ -225,16 +222,16 @@ _SLICED = {torch.ops.aten.cross_entropy_loss.default: sliced_cross_entropy_loss,
 SLICED_LOSSES = frozenset((*_SLICED.values(), sliced_cast_cross_entropy_loss))
 
 
-def slice_losses(gm: fx.GraphModule, autocast=None) -> int:
+def slice_losses(gm: fx.GraphModule) -> int:
     """Point every cross-entropy call of ``gm`` at its sliced form (which runs the original
     where Rule 2 does not hold), taking the source of a cast only it reads (Rule 5); the
-    number of calls changed. ``autocast``: (device type, dtype) of the step's autocast."""
+    number of calls changed."""
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SLICED:
             node.target = _SLICED[node.target]
             changed += 1
-            cast = _cast_for_the_loss_alone(node, autocast)
+            cast = _cast_for_the_loss_alone(node)
             if cast is not None:
                 view = node.args[0]
                 node.target = sliced_cast_cross_entropy_loss
@@ -246,7 +243,7 @@ def slice_losses(gm: fx.GraphModule, autocast=None) -> int:
     return changed
 
 
-def _cast_for_the_loss_alone(loss: fx.Node, autocast=None):
+def _cast_for_the_loss_alone(loss: fx.Node):
     """Rule 5: the node casting to float32 whose one reader is a view whose one reader is
     ``loss`` (an exported aten.cross_entropy_loss), else None."""
     view = loss.args[0]
@@ -260,38 +257,12 @@ def _cast_for_the_loss_alone(loss: fx.Node, autocast=None):
         return None
     # as traced: a half-precision source and rows enough to slice, else the graph stays as
     # it is (a float32 model's cast returns its input: nothing to save)
-    rows = view.meta.get("val")
-    if _dtype_in_the_step(cast.args[0], autocast) not in (torch.bfloat16, torch.float16) or \
-            not isinstance(rows, torch.Tensor) or rows.dim() != 2 or \
+    source, rows = cast.args[0].meta.get("val"), view.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(rows, torch.Tensor) or \
+            source.dtype not in (torch.bfloat16, torch.float16) or rows.dim() != 2 or \
             not isinstance(rows.shape[0], int) or rows.shape[0] <= ROW_ALIGNMENT:
         return None
     return cast
-
-
-# operations whose output has their first argument's dtype: views, and copies of a layout
-_KEEPING_DTYPE = frozenset(("view", "_unsafe_view", "reshape", "slice", "select", "transpose",
-                            "t", "permute", "contiguous", "alias", "expand", "squeeze",
-                            "unsqueeze", "clone"))
-
-
-def _dtype_in_the_step(node, autocast):
-    """The dtype of ``node``'s tensor in the step (Rule 5): as traced, unless the trace ran
-    without the step's ``autocast`` and the tensor is a matrix product's that autocast runs
-    in half precision, or a view of one."""
-    traced = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(traced, torch.Tensor):
-        return None
-    if autocast is None or traced.dtype is not torch.float32:
-        return traced.dtype
-    device_type, dtype = autocast
-    while isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload):
-        name = node.target.overloadpacket.__name__
-        if runs_in_lower_precision(device_type, name):
-            return dtype
-        if name not in _KEEPING_DTYPE or not node.args:
-            break
-        node = node.args[0]
-    return traced.dtype
 
 
 def _only_read_by(node, reader: fx.Node) -> bool:
