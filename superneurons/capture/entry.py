@@ -116,8 +116,12 @@ def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device)
     (sn.plan) of a model on the autocast's device type is traced under that autocast; one on
     the meta device, where no autocast acts, or on the CPU, under the CPU's autocast on fake
     CPU tensors: its lists put matrix products in the lower precision as CUDA's do, and the
-    analysis runs the step's own lists (autocast.py). A model elsewhere is traced without
-    autocast, and trace.py Rule 7 plans both readings of a cast it cannot tell."""
+    analysis runs the step's own lists (autocast.py). A dtype the model's code reads from a
+    tensor and the export writes into the graph (torch.empty(..., dtype=x.dtype), as
+    stochastic depth draws its noise) is the CPU's then: where CUDA's lists run the op that
+    made x in float32 and the CPU's do not (layer_norm, softmax), that tensor is planned in
+    the lower precision. A model elsewhere is traced without autocast, and trace.py Rule 7
+    plans both readings of a cast it cannot tell."""
     if autocast is None or torch.is_autocast_enabled(autocast[0]):
         return device, contextlib.nullcontext()
     device_type, dtype = autocast
