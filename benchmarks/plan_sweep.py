@@ -66,6 +66,17 @@ def _unet():
     return UNet(), (torch.randn(2, 3, 64, 64),), {}
 
 
+def today_model(name: str) -> tuple:
+    """(model, args, kwargs) of one of TODAY, built on the CPU."""
+    import torch
+    if name == "unet":
+        return _unet()
+    import today_models
+    torch.manual_seed(0)
+    model, args, kwargs, _ = today_models.cases()[name].build()
+    return model, args, kwargs
+
+
 def graph_of(name: str):
     import torch
     from superneurons.models import zoo
@@ -75,12 +86,7 @@ def graph_of(name: str):
         with torch.device("meta"):
             model = zoo.build(network)
         return captured_step(model, zoo.input_shape(network, int(batch)))
-    if name == "unet":
-        model, args, kwargs = _unet()
-    else:
-        import today_models
-        torch.manual_seed(0)
-        model, args, kwargs, _ = today_models.cases()[name].build()
+    model, args, kwargs = today_model(name)
     return captured_step(model, args, kwargs=kwargs, device_type="cpu")
 
 

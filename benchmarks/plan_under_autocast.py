@@ -23,13 +23,8 @@ POLICIES = ("superneurons", "liveness")
 def planned(name: str) -> dict:
     import torch
     import superneurons as sn
-    from plan_sweep import _unet
-    if name == "unet":
-        model, args, kwargs = _unet()
-    else:
-        import today_models
-        torch.manual_seed(0)
-        model, args, kwargs, _ = today_models.cases()[name].build()
+    from plan_sweep import today_model
+    model, args, kwargs = today_model(name)
     row = {}
     for policy in POLICIES:
         try:
