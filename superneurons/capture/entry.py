@@ -13,7 +13,7 @@ from .value_read import LABELS_HINT, children_of
 from .graph import LayerGraph
 from .refused import refuse_under_autocast
 from .sliced_loss import slice_losses
-from .trace import Analyzer, meta_like, trace
+from .trace import Analyzer, aliased_when_traced, meta_like, trace
 
 __all__ = ["Arguments", "capture", "example_args", "flat_inputs"]
 
@@ -75,9 +75,12 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
         gm, in_spec, out_spec, flat = trace(model), None, None, list(args)
     else:
         log.info("capturing %s with torch.export", type(model).__name__)
-        traced_on, under = _under_the_step_autocast(model, args, kwargs, autocast, device)
-        with under:
-            exported = export_graph(model, args, kwargs, traced_on, packed_positions)
+        exported = export_graph(model, args, kwargs, device, packed_positions)
+        again = _under_the_step_autocast(model, args, kwargs, autocast, device)
+        if again is not None and _casts_it_cannot_tell(exported.graph_module):
+            traced_on, under = again
+            with under:
+                exported = export_graph(model, args, kwargs, traced_on, packed_positions)
         gm, in_spec, out_spec = exported.graph_module, exported.in_spec, exported.out_spec
         flat = flat_inputs(in_spec, args, kwargs)
     if slice_loss:
@@ -108,22 +111,20 @@ def capture(model: nn.Module, example_input, autocast=None, kwargs=None, *,
     return graph
 
 
-def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device) -> tuple:
-    """(the device to export on, the autocast to export under) so that the trace's dtypes are
-    the step's: what a cast makes, and whether the model returns a cast or what it cast (HF's
-    causal LMs return bf16 logits and cast a float32 copy for the loss alone: sliced_loss.py
-    Rule 5, trace.py Rule 7). A step's own call runs under its autocast already. A plan
-    (sn.plan) of a model on the autocast's device type is traced under that autocast; one on
-    the meta device, where no autocast acts, or on the CPU, under the CPU's autocast on fake
-    CPU tensors: its lists put matrix products in the lower precision as CUDA's do, and the
-    analysis runs the step's own lists (autocast.py). A dtype the model's code reads from a
-    tensor and the export writes into the graph (torch.empty(..., dtype=x.dtype), as
-    stochastic depth draws its noise) is the CPU's then: where CUDA's lists run the op that
-    made x in float32 and the CPU's do not (layer_norm, softmax), that tensor is planned in
-    the lower precision. A model elsewhere is traced without autocast, and trace.py Rule 7
-    plans both readings of a cast it cannot tell."""
+def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device):
+    """Where a trace under no autocast cannot tell a cast from what it cast, (the device to
+    trace again on, the autocast to trace under) so that the trace's dtypes are the step's;
+    None where the trace already ran under the step's autocast (a step's own call), or no
+    autocast acts where the model lives. A plan (sn.plan) of a model on the autocast's device
+    type is traced again under that autocast; one on the meta device, where no autocast acts,
+    or on the CPU, under the CPU's autocast on fake CPU tensors: its lists put matrix products
+    in the lower precision as CUDA's do, and the analysis runs the step's own lists
+    (autocast.py). Only then: a dtype the model's code reads from a tensor and the export
+    writes into the graph (torch.empty(..., dtype=x.dtype)) is the CPU's lists' there, which
+    run layer_norm and softmax in the lower precision where CUDA's run them in float32; traced
+    under no autocast, it is float32, at or above the step's."""
     if autocast is None or torch.is_autocast_enabled(autocast[0]):
-        return device, contextlib.nullcontext()
+        return None
     device_type, dtype = autocast
     called = (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     where = device or next((t.device for t in (*model.parameters(), *model.buffers(), *called)
@@ -132,7 +133,29 @@ def _under_the_step_autocast(model, args: tuple, kwargs: dict, autocast, device)
         return device, torch.autocast(device_type, dtype=dtype)
     if where is None or where.type == "cpu":
         return torch.device("cpu"), torch.autocast("cpu", dtype=dtype)
-    return device, contextlib.nullcontext()          # trace.py Rule 7 plans both readings
+    return None                                      # trace.py Rule 7 plans both readings
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
+
+
+def _casts_it_cannot_tell(gm) -> bool:
+    """Whether a cast returned its input when traced (a cast to float32 traced in float32) and
+    the model's output or a cross-entropy reads it, directly or through a view: HF's causal
+    LMs return their logits and cast a float32 copy for their loss, which the trace cannot
+    tell from the logits (trace.py Rule 7) nor slice (sliced_loss.py Rule 5)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _CASTS or \
+                not aliased_when_traced(node):
+            continue
+        readers = [*node.users, *(user for reader in node.users if reader.target in _VIEWS
+                                  for user in reader.users)]
+        if any(reader.op == "output" or
+               reader.target is torch.ops.aten.cross_entropy_loss.default
+               for reader in readers):
+            return True
+    return False
 
 
 def flat_inputs(in_spec, args: tuple, kwargs: dict) -> list:

@@ -37,8 +37,9 @@ Rule 7: an output made by an operation that returned its input, or a view of it,
         tensor. Traced under a real autocast, a cast the loss alone reads is made per slice
         (sliced_loss.py Rule 5); traced here, where it may be what the model returns, it
         stays whole, so that plan is above the step by up to the float32 copy. A plan on the
-        meta device or the CPU is traced under the CPU's autocast (entry.py), where such a
-        cast is a tensor of its own: this rule is for models traced under no autocast.
+        meta device or the CPU with such a cast is traced again under the CPU's autocast
+        (entry.py), where the cast is a tensor of its own: this rule is for models traced
+        under no autocast.
 """
 
 import contextlib
@@ -532,14 +533,14 @@ def _cast_only_here(node: fx.Node, storage_of, returning: set) -> bool:
     of its own here (``storage_of``: a node's storage in this run), and a node other than
     ``returning`` (the output and the views it returns of ``node``) reads it: a cast read only
     on the way out is the tensor returned."""
-    if not _aliased_when_traced(node):
+    if not aliased_when_traced(node):
         return False
     storage = storage_of(node)
     return (storage is not None and storage != storage_of(node.args[0])
             and any(user not in returning for user in node.users))
 
 
-def _aliased_when_traced(node: fx.Node) -> bool:
+def aliased_when_traced(node: fx.Node) -> bool:
     """Rule 7: ``node`` returned a view of its first input when the graph was traced."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
         return False
