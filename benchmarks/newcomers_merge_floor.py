@@ -17,15 +17,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOWARD = (0.02, 0.1, 0.3)
 
 
-def _image(make):
-    def build():
-        import torch
-        model = make().train()
-        x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
-        return model, (x,), {}, lambda out: torch.nn.functional.cross_entropy(out, y)
-    return build
-
-
 def _exaone():
     import torch
     import transformers
@@ -50,6 +41,7 @@ def main():
     import torchvision
     from common import write
     from newcomers_blocks_policies import under_recomputing_policies
+    from newcomers_split import _image_model as _image
     cases = {
         "torchvision resnet34": _image(lambda: torchvision.models.resnet34(num_classes=10)),
         "timm convnext_nano": _image(lambda: timm.create_model("convnext_nano", num_classes=10)),

@@ -16,22 +16,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOWARD = (0.5, 0.75)
 
 
-def _image(make, size=64):
-    def build():
-        import torch
-        torch.manual_seed(0)
-        model = make().train()
-        x, y = torch.randn(4, 3, size, size), torch.randint(0, 10, (4,))
-        return model, (x,), {}, lambda out: torch.nn.functional.cross_entropy(out, y)
-    return build
-
-
 def main():
     sys.path.insert(0, HERE)
     import timm
     import torchvision
     from common import write
     from newcomers_blocks_policies import under_recomputing_policies
+    from newcomers_split import _image_model as _image
     from newcomers_decoder_blocks import _hf
     from superneurons.planner.policy import CHECKPOINT_KINDS
 
