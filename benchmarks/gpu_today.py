@@ -2,8 +2,9 @@
 fractions of plain PyTorch's own peak memory.
 
     python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N]
-                                                      # efficientnet_b0, convnext_tiny, vit_b_16,
-                                                      # HF GPT-2: plain-vs-plain control, then
+                                                      # resnet50, efficientnet_b0, convnext_tiny,
+                                                      # vit_b_16, HF GPT-2: plain-vs-plain
+                                                      # control, then
                                                       # every policy at a budget that forces it:
                                                       # F of the way from the policy's floor to
                                                       # the liveness peak (0.5; near 0, data
@@ -55,6 +56,7 @@ def _exact_cases(device):
         return (), dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False), \
             lambda out: out.loss
     return {
+        "resnet50": (_vision("resnet50"), lambda: image_batch(128)),
         "efficientnet_b0": (_vision("efficientnet_b0"), lambda: image_batch(128)),
         "convnext_tiny": (_vision("convnext_tiny"), lambda: image_batch(128)),
         "vit_b_16": (_vision("vit_b_16"), lambda: image_batch(224)),
@@ -81,12 +83,14 @@ def _train(model, args, kwargs, loss_of, steps=3, drained=None):
 
 
 def _replayed(wrapped, args, kwargs) -> dict:
-    """Layers of each checkpoint kind (CONV, FC, ATTN) the plan replays: whole blocks or
-    pieces of them."""
+    """Layers of each checkpoint kind (CONV, FC, ATTN) the plan replays: whole blocks, pieces
+    of them, or alone (their cheap successors' outputs kept); "alone" counts the last."""
     from superneurons.planner.policy import CHECKPOINT_KINDS
     plan, _ = wrapped.plan_for(*args, **kwargs)
     kinds = [plan.graph.layers[l].kind for l in plan.segment_of()]
-    return {kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS}
+    alone = sum(1 for s in plan.segments if len(s.layers) == 1
+                and plan.graph.layers[s.layers[0]].kind in CHECKPOINT_KINDS)
+    return {**{kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS}, "alone": alone}
 
 
 def _difference(a, b) -> float:

@@ -312,7 +312,9 @@ def test_a_managed_plan_the_optimizer_state_outgrows_is_made_again(monkeypatch):
     x, y = batch(8)
     liveness = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="liveness").peak_bytes
     floor = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons").peak_bytes
-    budget = floor + 9 * (liveness - floor) // 10
+    # where the first plan peaks above the floor (at 0.9 of the way, convolutions replayed
+    # alone peak at it: planner/trim.py)
+    budget = floor + 8 * (liveness - floor) // 10
     first = sn.plan(small_resnet(), x, machine=OFF_CUDA, policy="superneurons",
                     budget=budget).peak_bytes
     assert floor < first <= budget                   # fewer replays than the floor plan

@@ -500,3 +500,20 @@ def test_a_backward_out_of_the_routes_order_holds_the_budget():
     assert torch.equal(torch.stack(expected), torch.stack(losses))
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
                                                  model.state_dict().values()))
+
+
+def test_convolutions_replayed_alone_train_exactly():
+    """torchvision's ResNet-50 in a roomy budget replays 1x1 convolutions alone and keeps the
+    batch norms' outputs (planner/trim.py): each replay reads a kept input, exactly."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    net = torchvision.models.resnet50(num_classes=10)
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
+    low = sn.plan(net, x, policy="superneurons").peak_bytes
+    high = sn.plan(net, x, policy="liveness").peak_bytes
+    wrapped = assert_same_training(net, x, y, steps=3, loss_fn=F.cross_entropy,
+                                   policy="superneurons", budget=low + int(0.85 * (high - low)))
+    plan, _ = wrapped.plan_for(x)
+    alone = [s for s in plan.segments if [plan.graph.layers[l].kind for l in s.layers]
+             == [Kind.CONV]]
+    assert alone and wrapped.stats.recomputed_layers > 0

@@ -32,9 +32,11 @@ Rule 8: beyond the paper, whole blocks may be replayed, convolutions included: t
         output) besides the model's inputs and what lives across most of the route (a
         decoder's attention mask), the last of each run of consecutive cuts; a replay reads
         those, kept. On a GPU whose arithmetic outruns its host link many times over,
-        replaying a block costs less than moving its tensors. A segment that replays a CONV,
-        FC or ATTN is speed-centric under the cost-aware strategy (a memory-centric replay
-        would run its convolutions once per backward layer).
+        replaying a block costs less than moving its tensors. Or a block's cheap layers are
+        its checkpoints and its CONV, FC and ATTN layers replay alone, each from its kept
+        input (planner/trim.py). A segment that replays a CONV, FC or ATTN is speed-centric
+        under the cost-aware strategy (a memory-centric replay would run its convolutions
+        once per backward layer).
 """
 
 import enum
