@@ -3,7 +3,7 @@
 A recomputing policy without a budget replays every cheap segment: that is its floor. With a
 budget above the floor, some segments can keep their tensors instead. On a modern GPU a replay
 costs compute and a move to the host costs far more (DESIGN.md), so the goal is the cheapest
-replays whose plan fits the budget *with nothing moved*. Three families of plans are tried:
+replays whose plan fits the budget *with nothing moved*. Four families of plans are tried:
 
 - the policy's own segments, and the cheap segments that keep the most on the device (policy
   Rule 7 off), with the least useful segments dropped (fewest bytes saved per unit of replay
@@ -19,13 +19,14 @@ replays whose plan fits the budget *with nothing moved*. Three families of plans
   efficientnet_b0 in bf16 faster than the cheapest plan's many small replays
   (ratio_efficientnet_b0_bf16_h100_00d224a.json);
 - convolutions alone: every block replayed, then the least useful blocks back to replaying only
-  their CONV, FC and ATTN layers, each from its kept input, their cheap layers' outputs kept.
-  A batch norm's output is as large as its convolution's, so keeping it frees the
-  convolution's for the convolution's arithmetic: in bf16 a 1x1 convolution's is less time
-  than the batch norm's pass over its bytes, and a bottleneck's widening convolution, whose
-  output outweighs the two narrow batch norms' before it, then keeps nothing. In bf16 on an
-  H200 a ResNet-50's batch norms took 0.045 s of plain's 0.080 s of kernels, its convolutions
-  0.017 and its GEMM kernels 0.007 (profile_ratio.json);
+  their CONV, FC and ATTN layers, each from its kept input, the outputs of their cheap layers
+  kept. Of a convolution's output and the batch norm's after it, of one size, one stays either
+  way: keeping the batch norm's costs a replay of the convolution (its arithmetic), keeping the
+  convolution's a replay of the batch norm (a pass over its bytes, slow in bf16: on an H200 a
+  bf16 ResNet-50's batch norms took 0.045 s of plain's 0.080 s of kernels, its convolutions
+  0.017 and its GEMM kernels 0.007, profile_ratio.json). And a bottleneck's widening
+  convolution, whose output is four times a narrow one's, then keeps nothing: the block's
+  output is kept either way;
 - blocks split (split_blocks): every block replayed, except that a block whose replay would
   make more than a given number of bytes is cut at convolutions into pieces that make at most
   that many, for a ladder of sizes. A whole block's replay holds everything it makes at once,
