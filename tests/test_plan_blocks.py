@@ -98,9 +98,10 @@ def _replayed_kinds(plan) -> list:
 
 def test_convolutions_replayed_alone_where_they_cost_less_than_their_batch_norms():
     """Kept, a batch norm's output frees its convolution's: a 1x1 convolution in bf16 replays
-    in less time than the batch norm after it reads and writes its bytes. In the room an H100
-    run of torchvision's bf16 ResNet-50 at batch 192 had at 0.75 of plain's peak, every replay
-    is a convolution alone, for less replay work than any plan replaying a batch norm."""
+    in less time than the batch norm after it reads and writes its bytes. Planned at the
+    H200's default rates in the room an H100 run of torchvision's bf16 ResNet-50 at batch 192
+    had at 0.75 of plain's peak, every replay is a convolution alone, for less replay work than
+    any plan replaying a batch norm."""
     torchvision = pytest.importorskip("torchvision")
     import superneurons as sn
     from superneurons.capture import Kind

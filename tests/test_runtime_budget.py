@@ -517,3 +517,5 @@ def test_convolutions_replayed_alone_train_exactly():
     alone = [s for s in plan.segments if [plan.graph.layers[l].kind for l in s.layers]
              == [Kind.CONV]]
     assert alone and wrapped.stats.recomputed_layers > 0
+    made = [plan.graph.values[plan.graph.layers[s.layers[0]].outputs[0]].storage for s in alone]
+    assert all(plan.actions[storage] is sn.planner.Action.RECOMPUTE for storage in made)

@@ -19,9 +19,11 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
   efficientnet_b0 in bf16 faster than the cheapest plan's many small replays
   (ratio_efficientnet_b0_bf16_h100_00d224a.json);
 - convolutions alone: every block replayed, then the least useful blocks back to replaying only
-  their CONV, FC and ATTN layers, each from its kept input, the outputs of their cheap layers
-  kept. Of a convolution's output and the batch norm's after it, of one size, one stays either
-  way: keeping the batch norm's costs a replay of the convolution (its arithmetic), keeping the
+  their CONV, FC and ATTN layers (each run of them from its kept input), the outputs of their
+  cheap layers kept, while the plan fits; then trimmed as above; tried only where every block
+  replayed fits. A convolution whose output a kept layer writes in place or views (an in-place
+  ReLU after it) replays without freeing it. Of a convolution's output and the batch norm's
+  after it, of one size, one stays either way: keeping the batch norm's costs a replay of the convolution (its arithmetic), keeping the
   convolution's a replay of the batch norm (a pass over its bytes, slow in bf16: on an H200 a
   bf16 ResNet-50's batch norms took 0.045 s of plain's 0.080 s of kernels, its convolutions
   0.017 and its GEMM kernels 0.007, profile_ratio.json). And a bottleneck's widening
