@@ -503,8 +503,9 @@ def test_a_backward_out_of_the_routes_order_holds_the_budget():
 
 
 def test_convolutions_replayed_alone_train_exactly():
-    """torchvision's ResNet-50 in a roomy budget replays 1x1 convolutions alone and keeps the
-    batch norms' outputs (planner/trim.py): each replay reads a kept input, exactly."""
+    """torchvision's ResNet-50 in a roomy budget replays convolutions alone and keeps the batch
+    norms' outputs (planner/trim.py): each replay reads a kept input and frees its output,
+    exactly."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     net = torchvision.models.resnet50(num_classes=10)
