@@ -91,6 +91,14 @@ def token_batch(device, batch=16, seq=1024, vocab=50257) -> dict:
     return dict(input_ids=ids, labels=ids, use_cache=False)
 
 
+def replayed_alone(plan) -> int:
+    """The plan's segments that replay one CONV, FC or ATTN layer alone, the outputs of the
+    cheap layers after it kept (planner/trim.py)."""
+    from superneurons.planner.policy import CHECKPOINT_KINDS
+    return sum(len(s.layers) == 1 and plan.graph.layers[s.layers[0]].kind in CHECKPOINT_KINDS
+               for s in plan.segments)
+
+
 def calibration_of(wrapped) -> dict:
     """The executor's calibrated excess (executor Rule 4) after the step just run, in bytes."""
     last = getattr(wrapped, "_last", None)

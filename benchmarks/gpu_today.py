@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import superneurons as sn  # noqa: E402
-from benchmarks.common import environment, gpt2 as _gpt2, token_batch, write  # noqa: E402
+from benchmarks.common import (environment, gpt2 as _gpt2, replayed_alone,  # noqa: E402
+                               token_batch, write)
 
 POLICIES = ("recompute", "superneurons", "offload")
 
@@ -88,9 +89,8 @@ def _replayed(wrapped, args, kwargs) -> dict:
     from superneurons.planner.policy import CHECKPOINT_KINDS
     plan, _ = wrapped.plan_for(*args, **kwargs)
     kinds = [plan.graph.layers[l].kind for l in plan.segment_of()]
-    alone = sum(1 for s in plan.segments if len(s.layers) == 1
-                and plan.graph.layers[s.layers[0]].kind in CHECKPOINT_KINDS)
-    return {**{kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS}, "alone": alone}
+    return {**{kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS},
+            "alone": replayed_alone(plan)}
 
 
 def _difference(a, b) -> float:

@@ -135,13 +135,20 @@ def compare(new: dict, old: dict) -> dict:
     return {**counts, "worse_cases": worse, "fit_changed": fit_changed}
 
 
-def main():
+def sweep_arguments():
+    """OUT.json and --against OLD.json parsed; the benchmarks and tests folders importable
+    (today_models), warnings off: this sweep's and plan_under_autocast.py's command line."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--against")
     args = parser.parse_args()
     sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
     warnings.filterwarnings("ignore")
+    return args
+
+
+def main():
+    args = sweep_arguments()
     from common import environment, write
     record = {**environment(), "shares": SHARES, "models": {}}
     for name in TODAY + ZOO:

@@ -10,11 +10,9 @@ planned with autocast=torch.bfloat16, device_type="cuda". With --against, lists 
 whose floor or liveness peak changed, and any that one tree plans and the other refuses.
 """
 
-import argparse
 import json
 import os
 import sys
-import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POLICIES = ("superneurons", "liveness")
@@ -36,14 +34,10 @@ def planned(name: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--against")
-    args = parser.parse_args()
-    sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
-    warnings.simplefilter("ignore")
+    sys.path.insert(0, HERE)
+    from plan_sweep import TODAY, sweep_arguments
+    args = sweep_arguments()
     from common import write
-    from plan_sweep import TODAY
     record = {"models": {}}
     for name in TODAY:
         record["models"][name] = planned(name)

@@ -14,17 +14,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def described(plan) -> dict:
-    from superneurons.planner.policy import CHECKPOINT_KINDS
+    from common import replayed_alone
     from superneurons.planner.trim import _floor, replay_work
     layers = plan.graph.layers
     kinds: dict = {}
     for segment in plan.segments:
         for layer in segment.layers:
             kinds[layers[layer].kind.value] = kinds.get(layers[layer].kind.value, 0) + 1
-    alone = sum(1 for s in plan.segments
-                if len(s.layers) == 1 and layers[s.layers[0]].kind in CHECKPOINT_KINDS)
     return {"segments": len(plan.segments), "replayed_layers": plan.num_extra_computations,
-            "replayed_by_kind": kinds, "replayed_alone": alone,
+            "replayed_by_kind": kinds, "replayed_alone": replayed_alone(plan),
             "replay_ms": round(replay_work(plan) * 1e3, 3), "floor_bytes": _floor(plan)}
 
 

@@ -117,12 +117,14 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
              _trim(plan, candidates, budget, build)]
     blocks, split = [], []                   # every block replayed, and blocks cut or merged
     for cuts in ([] if segments_for is None else _distinct(cut_sets)):
-        blocks.append(build(plan.policy, segments_for(cuts)))
-        trimmed = _whole_blocks(plan, budget, build, segments_for, cuts)
+        every = segments_for(cuts)
+        blocks.append(build(plan.policy, every))
+        by_use = sorted(every, key=lambda s: _usefulness(plan, s))
+        trimmed = _whole_blocks(plan, budget, build, segments_for, cuts, by_use)
         if trimmed is not None:              # then every block replayed fits too
             tries += [trimmed, blocks[-1], _trim(blocks[-1], list(blocks[-1].segments),
                                                  budget, build),
-                      _whole_blocks(plan, budget, build, segments_for, cuts, True)]
+                      _whole_blocks(plan, budget, build, segments_for, cuts, by_use, True)]
         else:                                # where it does not, blocks cut may
             cut = split_blocks(plan, build, segments_for, cuts, _BLOCKS_FLOOR_SHARE * budget)
             split += cut
@@ -327,14 +329,13 @@ def _trim(plan, segments: list, budget: int, build, policy=None):
     return build(policy, [s for s in segments if s.index in kept])
 
 
-def _whole_blocks(plan, budget: int, build, segments_for, cuts: set,
+def _whole_blocks(plan, budget: int, build, segments_for, cuts: set, blocks: list,
                   convolutions: bool = False):
-    """Every block replayed (Rule 8); then the least useful blocks back to replaying only their
-    cheap layers, or with ``convolutions`` only their CONV, FC and ATTN layers, while the plan
-    still fits; then trimmed as above. None if even replaying every block does not fit with
-    nothing moved."""
+    """Every block replayed (Rule 8; ``blocks``, the least useful first); then the least useful
+    blocks back to replaying only their cheap layers, or with ``convolutions`` only their CONV,
+    FC and ATTN layers, while the plan still fits; then trimmed as above. None if even
+    replaying every block does not fit with nothing moved."""
     graph = plan.graph
-    blocks = sorted(segments_for(cuts), key=lambda s: _usefulness(plan, s))
     if not blocks:
         return None
 
