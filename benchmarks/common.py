@@ -91,6 +91,22 @@ def token_batch(device, batch=16, seq=1024, vocab=50257) -> dict:
     return dict(input_ids=ids, labels=ids, use_cache=False)
 
 
+def cpu_bf16_steps(model: nn.Module, loss_of, steps: int = 3) -> list:
+    """Losses of ``steps`` AdamW steps of ``model``'s parameters, each ``loss_of()`` (a call
+    of the model, plain or wrapped) under the CPU's bf16 autocast, seeded per step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def replayed_alone(plan) -> int:
     """The plan's segments that replay one CONV, FC or ATTN layer alone, the outputs of the
     cheap layers after it kept (planner/trim.py)."""

@@ -40,21 +40,11 @@ def _bf16_rows() -> list:
     import timm
     import torch
     import superneurons as sn
-    from common import replayed_alone
+    from common import cpu_bf16_steps, replayed_alone
     x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
 
     def steps(run, model) -> list:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for step in range(3):
-            torch.manual_seed(step)
-            optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = torch.nn.functional.cross_entropy(run(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses
+        return cpu_bf16_steps(model, lambda: torch.nn.functional.cross_entropy(run(x), y))
     rows = []
     for name in ("resnet50d", "ecaresnet26t"):
         torch.manual_seed(0)

@@ -35,24 +35,10 @@ def _model(config_of: str, model_of: str, extra: dict, device: str):
         return getattr(transformers, model_of)(config).train()
 
 
-def _steps(run, model, call: dict) -> list:
-    import torch
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(3):
-        torch.manual_seed(step)
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = run(**call).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
 def row(config_of: str, model_of: str, extra: dict) -> dict:
     import torch
     import superneurons as sn
+    from common import cpu_bf16_steps
     from superneurons.capture import capture
     from superneurons.capture.sliced_loss import sliced_cast_cross_entropy_loss
     from superneurons.planner import plan_graph
@@ -76,11 +62,11 @@ def row(config_of: str, model_of: str, extra: dict) -> dict:
                        "stepped_bytes": plan_graph(stepped, policy).peak_bytes,
                        "meta_sliced": sliced(planned.graph), "stepped_sliced": sliced(stepped)}
     reference = copy.deepcopy(model)
-    plain = _steps(reference, reference, call)
+    plain = cpu_bf16_steps(reference, lambda: reference(**call).loss)
     budget = out["superneurons"]["meta_bytes"]
     wrapped = sn.wrap(model, policy="superneurons", budget=budget)
     try:
-        losses = _steps(wrapped, model, call)
+        losses = cpu_bf16_steps(model, lambda: wrapped(**call).loss)
         out["wrapped_at_meta_floor"] = {
             "budget_bytes": budget, "losses_equal": losses == plain,
             "max_state_difference": max((a.double() - b.double()).abs().max().item()
