@@ -1,7 +1,7 @@
 """Models people train today, on CUDA: exactness against plain PyTorch, and a decoder's speed at
 fractions of plain PyTorch's own peak memory.
 
-    python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N]
+    python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N] [--bf16]
                                                       # resnet50, efficientnet_b0, convnext_tiny,
                                                       # vit_b_16, HF GPT-2: plain-vs-plain
                                                       # control, then
@@ -10,7 +10,8 @@ fractions of plain PyTorch's own peak memory.
                                                       # the liveness peak (0.5; near 0, data
                                                       # must move), N AdamW steps (3; past the
                                                       # calibrating ones, steps trust their
-                                                      # calibration and drain: executor Rule 10)
+                                                      # calibration and drain: executor Rule 10;
+                                                      # --bf16: the steps under bf16 autocast)
     python benchmarks/gpu_today.py ratio OUT.json     # GPT-2 small (12 layers, d 768, seq 1024,
                                                       # batch 16, AdamW) at 0.5 and 0.25 of
                                                       # plain's peak: plain, checkpoint per
@@ -66,15 +67,16 @@ def _exact_cases(device):
     }
 
 
-def _train(model, args, kwargs, loss_of, steps=3, drained=None):
-    """Losses of ``steps`` AdamW steps; with ``drained``, a wrapped model's convolutions
-    drained per step appended to it."""
+def _train(model, args, kwargs, loss_of, steps=3, drained=None, bf16=False):
+    """Losses of ``steps`` AdamW steps, each forward under bf16 autocast if ``bf16``; with
+    ``drained``, a wrapped model's convolutions drained per step appended to it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
         torch.manual_seed(100 + step)
         optimizer.zero_grad()
-        loss = loss_of(model(*args, **kwargs))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model(*args, **kwargs))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -83,11 +85,12 @@ def _train(model, args, kwargs, loss_of, steps=3, drained=None):
     return losses
 
 
-def _replayed(wrapped, args, kwargs) -> dict:
+def _replayed(wrapped, args, kwargs, bf16=False) -> dict:
     """Layers of each checkpoint kind (CONV, FC, ATTN) the plan replays: whole blocks, pieces
     of them, or alone (their cheap successors' outputs kept); "alone" counts the last."""
     from superneurons.planner.policy import CHECKPOINT_KINDS
-    plan, _ = wrapped.plan_for(*args, **kwargs)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        plan, _ = wrapped.plan_for(*args, **kwargs)
     kinds = [plan.graph.layers[l].kind for l in plan.segment_of()]
     return {**{kind.value: kinds.count(kind) for kind in CHECKPOINT_KINDS},
             "alone": replayed_alone(plan)}
@@ -99,11 +102,12 @@ def _difference(a, b) -> float:
                if sa[k].is_floating_point()) if sa else 0.0
 
 
-def exact(out: str, names=(), toward: float = 0.5, steps: int = 3) -> None:
+def exact(out: str, names=(), toward: float = 0.5, steps: int = 3, bf16: bool = False) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     device = torch.device("cuda")
     record = {**environment(), "part": "exact", "toward": toward, "steps": steps,
+              "dtype": "bf16" if bf16 else "fp32",
               "complete": False,
               "models": {}}
     for name, (build, batch) in _exact_cases(device).items():
@@ -113,19 +117,22 @@ def exact(out: str, names=(), toward: float = 0.5, steps: int = 3) -> None:
         base = build().to(device).train()
         args, kwargs, loss_of = batch()
         reference = copy.deepcopy(base)
-        expected = _train(reference, args, kwargs, loss_of, steps)
+        expected = _train(reference, args, kwargs, loss_of, steps, bf16=bf16)
         control = copy.deepcopy(base)
-        rows = {"plain_vs_plain": {"losses_equal": _train(control, args, kwargs, loss_of, steps)
-                                   == expected, "max_state_difference":
-                                   _difference(reference, control)}}
+        same = _train(control, args, kwargs, loss_of, steps, bf16=bf16) == expected
+        rows = {"plain_vs_plain": {"losses_equal": same,
+                                   "max_state_difference": _difference(reference, control)}}
         del control
         for policy in POLICIES:
             model = copy.deepcopy(base)
             example = args if args else ()
             started = time.perf_counter()
             try:
-                graph_peak = sn.plan(model, example, policy="liveness", kwargs=kwargs).peak_bytes
-                floor = sn.plan(model, example, policy=policy, kwargs=kwargs).peak_bytes
+                cast = torch.bfloat16 if bf16 else None
+                graph_peak = sn.plan(model, example, policy="liveness", kwargs=kwargs,
+                                     autocast=cast).peak_bytes
+                floor = sn.plan(model, example, policy=policy, kwargs=kwargs,
+                                autocast=cast).peak_bytes
                 # a budget covers all device memory: add what the other copies here hold, and
                 # AdamW's two moments, made by the first step
                 others = torch.cuda.memory_allocated() - sum(
@@ -136,14 +143,14 @@ def exact(out: str, names=(), toward: float = 0.5, steps: int = 3) -> None:
                     if floor < graph_peak else None
                 wrapped = sn.wrap(model, policy=policy, budget=budget)
                 drained = []
-                losses = _train(wrapped, args, kwargs, loss_of, steps, drained)
+                losses = _train(wrapped, args, kwargs, loss_of, steps, drained, bf16)
                 stats = wrapped.stats
                 rows[policy] = {
                     "budget_bytes": budget, "liveness_peak_bytes": graph_peak,
                     "floor_bytes": floor, "losses_equal": losses == expected,
                     "max_state_difference": _difference(reference, model),
                     "recomputed_layers": stats.recomputed_layers,
-                    "replayed_checkpoint_kinds": _replayed(wrapped, args, kwargs),
+                    "replayed_checkpoint_kinds": _replayed(wrapped, args, kwargs, bf16),
                     "offloaded_bytes": stats.offloaded_bytes,
                     "drained_convolutions": drained, "seconds": round(
                         time.perf_counter() - started, 2)}
@@ -249,7 +256,8 @@ if __name__ == "__main__":
         if "--steps" in rest:
             at = rest.index("--steps")
             steps, rest = int(rest[at + 1]), rest[:at] + rest[at + 2:]
-        exact(sys.argv[2], rest, toward, steps)
+        bf16 = "--bf16" in rest
+        exact(sys.argv[2], [name for name in rest if name != "--bf16"], toward, steps, bf16)
     elif part == "ratio":
         ratio(sys.argv[2])
     elif part == "one":
