@@ -33,6 +33,34 @@ def _kind(name: str) -> str:
     return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
 
 
+def profiled(step, steps: int) -> dict:
+    """``steps`` calls of ``step`` under torch.profiler: wall seconds a step, kernel seconds a
+    step by kind (copies on their own streams overlap the rest, so the kinds may add up to more
+    than the wall), kernels by kind, and the host's waits on the device a step."""
+    import torch
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - began) / steps
+    kernels, waits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    for event in profiler.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0)
+        if event.device_type == torch.autograd.DeviceType.CUDA or \
+                (device_us > 0 and event.self_cpu_time_total == 0):
+            kernels[_kind(event.key)] += device_us / 1e6 / steps
+            counts[_kind(event.key)] += event.count
+        elif event.key in WAITS:
+            waits[event.key] += event.cpu_time_total / 1e6 / steps
+    busy = sum(kernels.values())
+    return {"wall_s": wall, "kernel_s": busy, "device_idle_share": max(0.0, 1 - busy / wall),
+            "kernel_s_by_kind": dict(kernels),
+            "kernels_by_kind": {k: v // steps for k, v in counts.items()},
+            "host_waits_s": dict(waits)}
+
+
 def child(name: str, dtype: str, ratio: float, system: str) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -58,28 +86,8 @@ def child(name: str, dtype: str, ratio: float, system: str) -> dict:
         step()
     torch.cuda.synchronize()
     unprofiled = (time.perf_counter() - began) / PROFILED
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
-        began = time.perf_counter()
-        for _ in range(PROFILED):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - began) / PROFILED
-    kernels, waits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
-    for event in profiler.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0)
-        if event.device_type == torch.autograd.DeviceType.CUDA or \
-                (device_us > 0 and event.self_cpu_time_total == 0):
-            kernels[_kind(event.key)] += device_us / 1e6 / PROFILED
-            counts[_kind(event.key)] += event.count
-        elif event.key in WAITS:
-            waits[event.key] += event.cpu_time_total / 1e6 / PROFILED
-    busy = sum(kernels.values())
-    row = {"config": f"{name}:{dtype}:{ratio}:{system}", "wall_s": wall,
-           "unprofiled_wall_s": unprofiled, "kernel_s": busy,
-           "device_idle_share": max(0.0, 1 - busy / wall), "kernel_s_by_kind": dict(kernels),
-           "kernels_by_kind": {k: v // PROFILED for k, v in counts.items()},
-           "host_waits_s": dict(waits)}
+    row = {"config": f"{name}:{dtype}:{ratio}:{system}", "unprofiled_wall_s": unprofiled,
+           **profiled(step, PROFILED)}
     if system == "superneurons" and run.stats is not None:
         row["stats"] = run.stats.as_dict()
     return row
