@@ -24,28 +24,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WARM = 5          # the first step, two calibrating ones (executor Rule 4) and two more
 
 
-def child(name: str, dtype: str, ratio: float, room: float | None, steps: int,
-          profile: bool) -> dict:
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    import torch
+def plans_for_a_larger_room(room: float):
+    """Make the wrapper's plans for ``room`` times its budget (each said to be made for the
+    budget itself) and time no other plans: returns the planning function it now calls."""
     import superneurons.runtime.module as module
-    from common import torch_settings
-    from ratio import prepare, recorded_plain_peak
     from superneurons.planner import Policy, parse_policy
-    torch_settings()
-    device = torch.device("cuda", 0)
     plan_graph = module.plan_graph
 
     def for_a_larger_room(graph, policy, budget=None, *args, **kwargs):
         if budget is None or parse_policy(policy) is Policy.LIVENESS:
             return plan_graph(graph, policy, budget, *args, **kwargs)
         # said to be made for the budget itself: a plan whose own budget it fits with nothing
-        # moved is made again where it would move (module Rule 3), at every step here
+        # moved is made again where it would move (module Rule 3), at every step
         return dataclasses.replace(plan_graph(graph, policy, int(budget * room), *args,
                                               **kwargs), budget_bytes=budget)
+    module.plan_graph = for_a_larger_room
+    module.others_within = lambda *args, **kwargs: ([], True)              # no trial
+    return for_a_larger_room
+
+
+def child(name: str, dtype: str, ratio: float, room: float | None, steps: int,
+          profile: bool) -> dict:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    import torch
+    from common import torch_settings
+    from ratio import prepare, recorded_plain_peak
+    torch_settings()
+    device = torch.device("cuda", 0)
     if room is not None:
-        module.plan_graph = for_a_larger_room
-        module.others_within = lambda *args, **kwargs: ([], True)          # no trial
+        plans_for_a_larger_room(room)
     system = "plain" if room is None else "superneurons"
     run, step, cap, call = prepare(name, dtype, system, ratio if room else None,
                                    recorded_plain_peak(name, dtype) if room else None, device)
