@@ -1,32 +1,25 @@
 """How fast normalization runs for its bytes, against a copy and a ReLU of the same tensor: the
 rate the planner's cost model assumes for a batch norm's replay is the copy's
 (planner/costs.py: a cheap layer costs its bytes at the memory rate). Each timing is the
-fastest of 5 runs after one untimed run; rates count the input's and output's bytes once
-each. Batch norms in training mode (batch statistics, running statistics updated), NCHW, at
-ResNet-50 shapes; a layer norm at a GPT-2-small shape (16 sequences of 1024 tokens, d 768).
+fastest of 5 runs after one untimed run, as the machine's own rates are timed
+(runtime/machine.py); rates count the input's and output's bytes once each. Batch norms in
+training mode (batch statistics, running statistics updated), NCHW, at ResNet-50 shapes; a
+layer norm at a GPT-2-small shape (16 sequences of 1024 tokens, d 768).
 
     python benchmarks/norm_rates.py > OUT.json
 """
 
 import json
-import time
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from superneurons.runtime.machine import fastest_seconds as seconds  # noqa: E402
+
 SHAPES = [(32, 256, 56, 56), (192, 256, 56, 56), (192, 64, 56, 56), (192, 1024, 14, 14)]
-
-
-def seconds(run) -> float:
-    run()
-    best = 1e9
-    for _ in range(5):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return best
 
 
 def rate(x: torch.Tensor, run) -> dict:

@@ -126,7 +126,7 @@ def _store(key: str, machine: Machine) -> None:
         log.debug("measured rates not kept on disk (%s)", error)
 
 
-def _seconds(run) -> float:
+def fastest_seconds(run) -> float:
     """The fastest of _REPEATS timed runs of ``run`` on the current stream."""
     run()
     best = float("inf")
@@ -142,20 +142,20 @@ def _seconds(run) -> float:
 def _measure(device: torch.device) -> Machine:
     source = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    memory = 2 * _COPY_BYTES / _seconds(lambda: target.copy_(source))   # read and write
+    memory = 2 * _COPY_BYTES / fastest_seconds(lambda: target.copy_(source))   # read and write
     host = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-    up = _COPY_BYTES / _seconds(lambda: target.copy_(host, non_blocking=True))
-    down = _COPY_BYTES / _seconds(lambda: host.copy_(target, non_blocking=True))
+    up = _COPY_BYTES / fastest_seconds(lambda: target.copy_(host, non_blocking=True))
+    down = _COPY_BYTES / fastest_seconds(lambda: host.copy_(target, non_blocking=True))
     del source, target
     conv, matmul = {}, {}
     for dtype in _DTYPES:
         a = torch.full((_MATMUL_SIZE, _MATMUL_SIZE), 0.5, dtype=dtype, device=device)
         matmul[str(dtype).removeprefix("torch.")] = \
-            2 * _MATMUL_SIZE ** 3 / _seconds(lambda: a @ a)
+            2 * _MATMUL_SIZE ** 3 / fastest_seconds(lambda: a @ a)
         n, c, h, w = _CONV
         x = torch.full(_CONV, 0.5, dtype=dtype, device=device)
         weight = torch.full((c, c, 3, 3), 0.01, dtype=dtype, device=device)
         conv[str(dtype).removeprefix("torch.")] = \
-            2 * n * c * c * 9 * h * w / _seconds(lambda: F.conv2d(x, weight, padding=1))
+            2 * n * c * c * 9 * h * w / fastest_seconds(lambda: F.conv2d(x, weight, padding=1))
     return Machine(memory, conv, matmul, min(up, down),
                    source=f"measured on {torch.cuda.get_device_name(device)}")
