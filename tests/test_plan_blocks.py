@@ -118,3 +118,28 @@ def test_convolutions_replayed_alone_where_they_cost_less_than_their_batch_norms
                         if any(Kind.BN in kinds for kinds in _replayed_kinds(p))]
     assert with_batch_norms
     assert replay_work(plan) < min(replay_work(p) for p in with_batch_norms)
+
+
+def test_no_plan_tried_replays_what_it_cannot_free():
+    """Where a kept layer views or writes in place what a segment makes, replaying the segment
+    frees nothing (policy Rule 4). A GPT-2-shaped decoder in bf16 halfway from its floor had a
+    plan among those the trial times that replayed nine such matrix products alone, the
+    chosen plan's replays besides; now no plan the trial may time replays any."""
+    transformers = pytest.importorskip("transformers")
+    import superneurons as sn
+    from superneurons.planner import Action
+    from superneurons.planner.trim import _made
+    config = transformers.GPT2Config(vocab_size=1000, n_positions=256, n_embd=256, n_layer=4,
+                                     n_head=4)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.zeros(4, 256, dtype=torch.long, device="meta")
+    kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
+    graph = sn.plan(model, (), policy="liveness", autocast=torch.bfloat16, kwargs=kwargs).graph
+    peak = plan_graph(graph, "liveness").peak_bytes
+    floor = plan_graph(graph, "superneurons").peak_bytes
+    plan = plan_graph(graph, "superneurons", floor + (peak - floor) // 2)
+    for option in (plan, *plan.alternatives):
+        assert all(any(option.actions[storage] is Action.RECOMPUTE
+                       for storage in _made(graph, segment)) for segment in option.segments)
+    assert len(plan.alternatives) >= 2

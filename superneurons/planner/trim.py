@@ -21,8 +21,7 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
 - convolutions alone: every block replayed, then the least useful blocks back to replaying only
   their CONV, FC and ATTN layers (each run of them from its kept input), the outputs of their
   cheap layers kept, while the plan fits; then trimmed as above; tried only where every block
-  replayed fits. A convolution whose output a kept layer writes in place or views (an in-place
-  ReLU after it) replays without freeing it. Of a convolution's output and the batch norm's
+  replayed fits. Of a convolution's output and the batch norm's
   after it, of one size, one stays either way: keeping the batch norm's costs a replay of the
   convolution (its arithmetic), keeping the convolution's a replay of the batch norm (a pass
   over its bytes, slow in bf16: on an H200 a bf16 ResNet-50's batch norms took 0.045 s of
@@ -40,23 +39,26 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
   fitting plans only where every block replayed whole does not fit: where it does, the
   trial's two tries (runtime/trial.py) stay with it and the planner's first choice.
 
-The fitting plan with the least replay work wins; the others that fit are kept beside it
-(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none
-fits without moving data, the Tensor Cache will move what the budget forces out; then the
-policy's own plan, the plan replaying every block and the split blocks are weighed by replay
-time plus the time to move what each would move (every rise of its live bytes above the budget,
-out and back over the machine's link). Replaying whole blocks keeps far more on the device, so
-it moves far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43); at a quarter of
-plain PyTorch's peak, where every block replayed whole does not fit, the split blocks halve what
-ResNet-50 moves (trim_split_blocks.json). Each but the policy's own plan is weighed only where
-its peak is within the budget and its floor is no higher than the own plan's (within a pool
-page) or within the share below, and a split one only where it moves less than the own plan.
+Each fitting plan first drops the segments whose replay frees nothing (a convolution replayed
+alone whose output a kept in-place ReLU writes, a matrix product a kept layer reshapes: the
+storage stays on the device either way, policy Rule 4). The fitting plan with the least replay
+work wins; the others that fit are kept beside it (Plan.alternatives), for the runtime to time
+on the machine (runtime/trial.py). Where none fits without moving data, the Tensor Cache will
+move what the budget forces out; then the policy's own plan, the plan replaying every block and
+the split blocks are weighed by replay time plus the time to move what each would move (every
+rise of its live bytes above the budget, out and back over the machine's link). Replaying whole
+blocks keeps far more on the device, so it moves far less (ResNet-50 at batch 450 in 11.5 GiB:
+0.3 GiB against 43); at a quarter of plain PyTorch's peak, where every block replayed whole does
+not fit, the split blocks halve what ResNet-50 moves (trim_split_blocks.json). Each but the
+policy's own plan is weighed only where its peak is within the budget and its floor is no higher
+than the own plan's (within a pool page) or within the share below, and a split one only where
+it moves less than the own plan.
 """
 
 import dataclasses
 import functools
 
-from .policy import CHECKPOINT_KINDS, Policy, Strategy
+from .policy import CHECKPOINT_KINDS, Action, Policy, Strategy
 
 # what the byte model misses (allocator rounding, saved tensors sized differently off the meta
 # device) should not turn "nothing moves" into a few evictions: keep 3% of the budget spare
@@ -95,14 +97,33 @@ def _replays(plan) -> tuple:
     return tuple(tuple(s.layers) for s in plan.segments)
 
 
-def _usefulness(plan, segment) -> float:
-    graph = plan.graph
+def _made(graph, segment) -> set:
+    """The storages a segment's layers create."""
     inside = set(segment.layers)
-    saved = sum(graph.storages[s].nbytes for s in
-                {graph.values[v].storage for l in segment.layers for v in graph.layers[l].outputs
-                 if graph.storages[graph.values[v].storage].creator in inside})
+    return {graph.values[v].storage for l in segment.layers for v in graph.layers[l].outputs
+            if graph.storages[graph.values[v].storage].creator in inside}
+
+
+def _usefulness(plan, segment) -> float:
+    saved = sum(plan.graph.storages[s].nbytes for s in _made(plan.graph, segment))
     work = sum(plan.costs.work[l] for l in segment.layers)
     return saved / max(work, 1e-12)
+
+
+def _without_idle_replays(plan, budget: int, build):
+    """``plan`` less the segments whose replay frees nothing: where a kept layer writes in
+    place into what a segment makes, or views it, that storage stays on the device (policy
+    Rule 4) and the replay costs its work for nothing (a convolution replayed alone before an
+    in-place ReLU, a matrix product whose output a kept layer reshapes). The plan without them
+    is taken where it still fits with nothing moved and peaks no higher."""
+    idle = [s for s in plan.segments
+            if all(plan.actions[storage] is not Action.RECOMPUTE
+                   for storage in _made(plan.graph, s))]
+    if not idle:
+        return plan
+    leaner = build(plan.policy, [s for s in plan.segments if s not in idle])
+    return leaner if leaner.moves_nothing_within(budget) and \
+        leaner.peak_bytes <= plan.peak_bytes else plan
 
 
 def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list,
@@ -131,7 +152,8 @@ def replay_only_what_the_budget_needs(plan, budget: int, build, candidates: list
             tries.append(min((p for p in cut if p.moves_nothing_within(budget)),
                              key=replay_work, default=None))
     fitting, seen = [], set()
-    for option in sorted((t for t in tries if t is not None), key=replay_work):
+    tries = [_without_idle_replays(t, budget, build) for t in tries if t is not None]
+    for option in sorted(tries, key=replay_work):
         if _replays(option) not in seen:
             seen.add(_replays(option))
             fitting.append(option)
