@@ -67,9 +67,10 @@ def _exact_cases(device):
     }
 
 
-def _train(model, args, kwargs, loss_of, steps=3, drained=None, bf16=False):
+def _train(model, args, kwargs, loss_of, steps=3, drained=None, bf16=False, peaks=None):
     """Losses of ``steps`` AdamW steps, each forward under bf16 autocast if ``bf16``; with
-    ``drained``, a wrapped model's convolutions drained per step appended to it."""
+    ``drained`` and ``peaks``, a wrapped model's convolutions drained and its peak bytes
+    (StepStats, from its forward to its backward's end) per step appended to them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
@@ -82,6 +83,8 @@ def _train(model, args, kwargs, loss_of, steps=3, drained=None, bf16=False):
         losses.append(loss.item())
         if drained is not None:
             drained.append(model.stats.drained_convolutions)
+        if peaks is not None:
+            peaks.append(model.stats.peak_bytes)
     return losses
 
 
@@ -142,8 +145,8 @@ def exact(out: str, names=(), toward: float = 0.5, steps: int = 3, bf16: bool = 
                 budget = others + floor + int(toward * (graph_peak - floor)) \
                     if floor < graph_peak else None
                 wrapped = sn.wrap(model, policy=policy, budget=budget)
-                drained = []
-                losses = _train(wrapped, args, kwargs, loss_of, steps, drained, bf16)
+                drained, peaks = [], []
+                losses = _train(wrapped, args, kwargs, loss_of, steps, drained, bf16, peaks)
                 stats = wrapped.stats
                 rows[policy] = {
                     "budget_bytes": budget, "liveness_peak_bytes": graph_peak,
@@ -152,7 +155,8 @@ def exact(out: str, names=(), toward: float = 0.5, steps: int = 3, bf16: bool = 
                     "recomputed_layers": stats.recomputed_layers,
                     "replayed_checkpoint_kinds": _replayed(wrapped, args, kwargs, bf16),
                     "offloaded_bytes": stats.offloaded_bytes,
-                    "drained_convolutions": drained, "seconds": round(
+                    "drained_convolutions": drained, "peak_bytes": peaks,
+                    "held": budget is None or max(peaks) <= budget, "seconds": round(
                         time.perf_counter() - started, 2)}
             except Exception as error:  # noqa: BLE001 -- recorded, the run goes on
                 rows[policy] = {"error": f"{type(error).__name__}: {str(error)[:500]}"}
