@@ -21,13 +21,13 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
 - convolutions alone: every block replayed, then the least useful blocks back to replaying only
   their CONV, FC and ATTN layers (each run of them from its kept input), the outputs of their
   cheap layers kept, while the plan fits; then trimmed as above; tried only where every block
-  replayed fits. Of a convolution's output and the batch norm's
-  after it, of one size, one stays either way: keeping the batch norm's costs a replay of the
-  convolution (its arithmetic), keeping the convolution's a replay of the batch norm (a pass
-  over its bytes, slow in bf16: on an H200 a bf16 ResNet-50's batch norms took 0.045 s of
-  plain's 0.080 s of kernels, its convolutions 0.017 and its GEMM kernels 0.007,
-  profile_ratio.json). And a bottleneck's widening convolution, whose output is four times a
-  narrow one's, then keeps nothing: the block's output is kept either way;
+  replayed fits. Of a convolution's output and the batch norm's after it, of one size, one stays
+  either way: keeping the batch norm's costs a replay of the convolution (its arithmetic),
+  keeping the convolution's a replay of the batch norm (a pass over its bytes, slow in bf16: on
+  an H200 a bf16 ResNet-50's batch norms took 0.045 s of plain's 0.080 s of kernels, its
+  convolutions 0.017 and its GEMM kernels 0.007, profile_ratio.json). And a bottleneck's
+  widening convolution, whose output is four times a narrow one's, then keeps nothing: the
+  block's output is kept either way;
 - blocks split (split_blocks): every block replayed, except that a block whose replay would
   make more than a given number of bytes is cut at convolutions into pieces that make at most
   that many, for a ladder of sizes. A whole block's replay holds everything it makes at once,
