@@ -123,8 +123,8 @@ def test_convolutions_replayed_alone_where_they_cost_less_than_their_batch_norms
 def test_no_plan_tried_replays_what_it_cannot_free():
     """Where a kept layer views or writes in place what a segment makes, replaying the segment
     frees nothing (policy Rule 4). A GPT-2-shaped decoder in bf16 halfway from its floor had a
-    plan among those the trial times that replayed nine such matrix products alone, the
-    chosen plan's replays besides; now no plan the trial may time replays any."""
+    plan among those the trial times that replayed such matrix products alone beside the
+    chosen plan's replays; here no plan the trial may time replays any."""
     transformers = pytest.importorskip("transformers")
     import superneurons as sn
     from superneurons.planner import Action

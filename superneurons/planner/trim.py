@@ -41,18 +41,18 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
 
 Each fitting plan first drops the segments whose replay frees nothing (a convolution replayed
 alone whose output a kept in-place ReLU writes, a matrix product a kept layer reshapes: the
-storage stays on the device either way, policy Rule 4). The fitting plan with the least replay
-work wins; the others that fit are kept beside it (Plan.alternatives), for the runtime to time
-on the machine (runtime/trial.py). Where none fits without moving data, the Tensor Cache will
-move what the budget forces out; then the policy's own plan, the plan replaying every block and
-the split blocks are weighed by replay time plus the time to move what each would move (every
-rise of its live bytes above the budget, out and back over the machine's link). Replaying whole
-blocks keeps far more on the device, so it moves far less (ResNet-50 at batch 450 in 11.5 GiB:
-0.3 GiB against 43); at a quarter of plain PyTorch's peak, where every block replayed whole does
-not fit, the split blocks halve what ResNet-50 moves (trim_split_blocks.json). Each but the
-policy's own plan is weighed only where its peak is within the budget and its floor is no higher
-than the own plan's (within a pool page) or within the share below, and a split one only where
-it moves less than the own plan.
+storage stays on the device either way, policy Rule 4), where it still fits without them. The
+fitting plan with the least replay work wins; the others that fit are kept beside it
+(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none fits
+without moving data, the Tensor Cache will move what the budget forces out; then the policy's
+own plan, the plan replaying every block and the split blocks are weighed by replay time plus
+the time to move what each would move (every rise of its live bytes above the budget, out and
+back over the machine's link). Replaying whole blocks keeps far more on the device, so it moves
+far less (ResNet-50 at batch 450 in 11.5 GiB: 0.3 GiB against 43); at a quarter of plain
+PyTorch's peak, where every block replayed whole does not fit, the split blocks halve what
+ResNet-50 moves (trim_split_blocks.json). Each but the policy's own plan is weighed only where
+its peak is within the budget and its floor is no higher than the own plan's (within a pool
+page) or within the share below, and a split one only where it moves less than the own plan.
 """
 
 import dataclasses
@@ -115,13 +115,15 @@ def _without_idle_replays(plan, budget: int, build):
     place into what a segment makes, or views it, that storage stays on the device (policy
     Rule 4) and the replay costs its work for nothing (a convolution replayed alone before an
     in-place ReLU, a matrix product whose output a kept layer reshapes). The plan without them
-    is taken where it still fits with nothing moved and peaks no higher."""
-    idle = [s for s in plan.segments
+    is taken where it still fits with nothing moved and peaks no higher: kept instead of
+    replayed, such a storage can count longer on the device (timm mobilevitv2_050's attention
+    projections, whose outputs the pool takes either way)."""
+    idle = {s.index for s in plan.segments
             if all(plan.actions[storage] is not Action.RECOMPUTE
-                   for storage in _made(plan.graph, s))]
+                   for storage in _made(plan.graph, s))}
     if not idle:
         return plan
-    leaner = build(plan.policy, [s for s in plan.segments if s not in idle])
+    leaner = build(plan.policy, [s for s in plan.segments if s.index not in idle])
     return leaner if leaner.moves_nothing_within(budget) and \
         leaner.peak_bytes <= plan.peak_bytes else plan
 
