@@ -1,7 +1,8 @@
 """The plans a tree chooses for rows of stored ratio records, each in the room its wrapper had
 at its last step (ratio.graph_in_record_room), at the H200's default rates: the chosen plan and
 the alternatives the runtime's trial would time, each with its segments, replayed layers by
-kind, replays of a convolution alone, replay time and floor. Planner only, on the CPU: run it
+kind, replays of a convolution alone, replay time and floor, and the normalizations replayed
+with the bytes their forwards read and write. Planner only, on the CPU: run it
 with two trees on PYTHONPATH to compare their choices.
 
     PYTHONPATH=TREE:benchmarks python benchmarks/plans_in_rooms.py OUT.json RECORD:RATIO [...]
@@ -16,14 +17,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def described(plan) -> dict:
     from common import replayed_alone
     from superneurons.planner.trim import _floor, replay_work
+    from superneurons.capture import Kind
     layers = plan.graph.layers
     kinds: dict = {}
     for segment in plan.segments:
         for layer in segment.layers:
             kinds[layers[layer].kind.value] = kinds.get(layers[layer].kind.value, 0) + 1
+    norms = [layer for s in plan.segments for layer in s.layers if layers[layer].kind is Kind.BN]
     return {"segments": len(plan.segments), "replayed_layers": plan.num_extra_computations,
             "replayed_by_kind": kinds, "replayed_alone": replayed_alone(plan),
-            "replay_ms": round(replay_work(plan) * 1e3, 3), "floor_bytes": _floor(plan)}
+            "replay_ms": round(replay_work(plan) * 1e3, 3), "floor_bytes": _floor(plan),
+            # the normalizations replayed, and the bytes their forwards read and write (l_f)
+            "replayed_norms": [layers[layer].name for layer in norms],
+            "replayed_norm_forward_bytes": sum(plan.costs.forward[layer] for layer in norms)}
 
 
 def row(record_path: str, ratio: float) -> dict:
