@@ -80,11 +80,10 @@ def main():
         return
     import timm
     import torchvision
-    from common import write
+    from common import replayed_alone, write
     from newcomers_blocks_policies import under_recomputing_policies
     from newcomers_split import _image_model as _image
     from superneurons.capture import Kind
-    from common import replayed_alone
 
     def described(plan) -> dict:
         kinds = [[plan.graph.layers[l].kind for l in s.layers] for s in plan.segments]
