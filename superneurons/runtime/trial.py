@@ -240,10 +240,7 @@ def moves(plan) -> bool:
 
 def _moving(best, room: int, strategy, state: str) -> list:
     """Rule 7: the plans made for LARGER_ROOMS times ``room`` that replay less work than
-    ``best`` and peak within ``room``, each said to be made for ``room``; none under a policy
-    that does not offload (its plans keep on the device what they do not replay)."""
-    if not best.policy.offloads:
-        return []
+    ``best`` and peak within ``room``, each said to be made for ``room``."""
     plans = []
     for factor in LARGER_ROOMS:
         try:
