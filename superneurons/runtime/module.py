@@ -57,8 +57,7 @@ Rule 9: a plan counts the caller's backward as starting from the model's loss wh
 Rule 10: once a managed plan's first steps are done (on CUDA, calibrated), the other plans that
         fit what the budget leaves beside the calibrated excess with nothing moved run a few
         steps each, and the fastest on the machine is kept, the running plan among them where
-        it too fits so; a plan made for a larger room, moving data within the budget, is timed
-        beside them (trial.py Rule 7).
+        it too fits so (trial.py).
 """
 
 import itertools

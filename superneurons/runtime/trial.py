@@ -7,9 +7,7 @@ the calibrated excess (and the waits for them before convolutions, executor Rule
 slower than their bytes say (batch norm in bf16). So once a managed plan's first steps are done
 (on CUDA, its calibration), the other plans that fit what the budget leaves beside that excess
 with nothing moved each run a few steps, and the one whose fastest step took least, timed from
-one forward's start to the next, is kept; the others are dropped (module Rule 5). A plan that
-replays less and moves a little (Rule 7) is timed beside them: whether its moves hide under the
-step's kernels is the machine's to say.
+one forward's start to the next, is kept; the others are dropped (module Rule 5).
 
 Rule 1: every plan is exact, so the trial changes a step's speed, never its values.
 Rule 2: a tried plan inherits the calibration of the plan it is tried against (executor Rule 4):
@@ -27,22 +25,14 @@ Rule 5: the running plan was made before its calibration, with the first-step ma
 Rule 6: the plans tried are those that fit beside what the model does not own at the step the
         trial begins; a plan whose turn comes when that has grown past it (module Rule 3) is
         not run: the trial ends there with the plan then running.
-Rule 7: where a plan fits with nothing moved, a plan made for a larger room (LARGER_ROOMS) is
-        tried too, run within the budget: it replays less and the Tensor Cache moves what
-        does not fit over the link, beside the step's kernels. It is said to be made for the
-        budget, which it moves data within by design, so module Rule 3 keeps it; it is kept
-        only where its fastest step beats the others' by MOVING_MARGIN (a plan that moves wins
-        by a step's noise and then moves at every step: Rule 5's case).
 """
 
-import dataclasses
 import time
 import weakref
 
 import torch
 
 from ..planner import plan_graph
-from ..planner.trim import replay_work
 from .calibration import CALIBRATION_STEPS
 from .executor import Executor
 
@@ -54,12 +44,6 @@ from .executor import Executor
 TIMED_STEPS = 2
 # plans tried beside the one chosen: each costs TIMED_STEPS + 2 steps
 MAX_TRIED = 2
-# Rule 7: the rooms, as multiples of what the budget leaves, whose plans are tried moving data:
-# one, so that a trial costs TIMED_STEPS + 2 steps more (benchmarks/hidden_moves.py times others)
-LARGER_ROOMS = (1.2,)
-# Rule 7: a moving plan's fastest step is weighed at this share more than it took; plain
-# PyTorch against itself read 0.990-1.008 of its own speed across the ratio records' runs
-MOVING_MARGIN = 1.03
 
 
 class Clock:
@@ -149,9 +133,7 @@ class PlanTrials:
                     in_flight():
                 return planned
             others_fitting, running_fits = others(plan, executor)
-            distinct = [p for p in others_fitting if replays(p) != replays(plan)]
-            tried = [p for p in distinct if not moves(p)][:MAX_TRIED] + \
-                [p for p in distinct if moves(p)][:len(LARGER_ROOMS)]               # Rule 7
+            tried = [p for p in others_fitting if replays(p) != replays(plan)][:MAX_TRIED]
             if not tried:
                 self.settled[key] = weakref.ref(executor)
                 return planned
@@ -162,11 +144,10 @@ class PlanTrials:
         if len(trial.marks) == len(trial.schedule):
             trial.marks.append((None, trial.clock.mark()))
             seconds = trial.seconds()
-            fastest = min(range(len(trial.tried)), key=lambda i: min(
-                seconds[i], default=float("inf")) * (MOVING_MARGIN if moves(trial.tried[i][0])
-                                                     else 1))                     # Rule 7
+            fastest = min(range(len(trial.tried)),
+                          key=lambda i: min(seconds[i], default=float("inf")))
             self.records.append({
-                "plans": [{"replayed_layers": p.num_extra_computations, "moves": moves(p),
+                "plans": [{"replayed_layers": p.num_extra_computations,
                            "step_seconds": s} for (p, _), s in zip(trial.tried, seconds)],
                 "kept": fastest})
             return self._end(key, trial, trial.tried[fastest][1], drop)
@@ -227,30 +208,8 @@ def others_within(plan, executor, budget_bytes: int, strategy, state: str,
         best = plan_graph(plan.graph, plan.policy, room, strategy, state, plan.costs.machine)
     except ValueError:            # the policy's floor does not fit there: nothing to try
         return [], True
-    fitting = [p for p in (best, *best.alternatives) if p.moves_nothing_within(room)]
-    return fitting + (_moving(best, room, strategy, state) if fitting else []), \
+    return [p for p in (best, *best.alternatives) if p.moves_nothing_within(room)], \
         plan.moves_nothing_within(room)
-
-
-def moves(plan) -> bool:
-    """Whether a plan moves data within its own budget by design (Rule 7)."""
-    budget = getattr(plan, "budget_bytes", None)
-    return budget is not None and not plan.moves_nothing_within(budget)
-
-
-def _moving(best, room: int, strategy, state: str) -> list:
-    """Rule 7: the plans made for LARGER_ROOMS times ``room`` that replay less work than
-    ``best`` and peak within ``room``, each said to be made for ``room``."""
-    plans = []
-    for factor in LARGER_ROOMS:
-        try:
-            larger = plan_graph(best.graph, best.policy, int(room * factor), strategy, state,
-                                best.costs.machine)
-        except ValueError:
-            continue
-        if larger.peak_bytes <= room and replay_work(larger) < replay_work(best):
-            plans.append(dataclasses.replace(larger, budget_bytes=room, alternatives=()))
-    return [p for p in plans if moves(p)]
 
 
 def tried_executor(plan, like, budget_bytes: int, model):
