@@ -54,7 +54,7 @@ def child(name: str, dtype: str, ratio: float, room: float | None, steps: int,
     if room is not None:
         plans_for_a_larger_room(room)
     system = "plain" if room is None else "superneurons"
-    run, step, cap, call = prepare(name, dtype, system, ratio if room else None,
+    run, step, cap, _ = prepare(name, dtype, system, ratio if room else None,
                                    recorded_plain_peak(name, dtype) if room else None, device)
     seconds, peaks, moved = [], [], []
     try:

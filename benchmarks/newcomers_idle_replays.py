@@ -4,9 +4,11 @@ HF GPTBigCodeForCausalLM (multi-query attention) and timm mobilevitv2_050 (convo
 attention over unfolded patches). "superneurons" and "recompute" at 50% and 75% of the way from
 each floor to the liveness peak; per run, the segments that free nothing in the plan the step
 ran and in every plan its trial may time, and 3 AdamW steps beside plain PyTorch, compared bit
-for bit (losses and state). Planner and runtime of whichever tree is on PYTHONPATH:
+for bit (losses and state). Planner and runtime of whichever tree is on PYTHONPATH. --more
+runs two more models instead: HF ConvNextV2ForImageClassification and timm resmlp_12_224
+(writes newcomers_idle_replays_more.json).
 
-    PYTHONPATH=TREE:benchmarks python benchmarks/newcomers_idle_replays.py OUT_DIR
+    PYTHONPATH=TREE:benchmarks python benchmarks/newcomers_idle_replays.py OUT_DIR [--more]
         (writes OUT_DIR/newcomers_idle_replays.json)
 """
 
@@ -36,25 +38,51 @@ def _mobilevit():
         lambda out: torch.nn.functional.cross_entropy(out, y)
 
 
-def idle_segments(plan) -> int:
-    """Segments none of whose made storages the plan frees (policy Rule 4 keeps them)."""
+def _convnextv2():
+    import torch
+    import transformers
+    config = transformers.ConvNextV2Config(num_channels=3, hidden_sizes=[16, 32, 48, 64],
+                                           depths=[1, 1, 2, 1], num_labels=10)
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(1))
+    return transformers.ConvNextV2ForImageClassification(config).train(), (), \
+        dict(pixel_values=x, labels=y), lambda out: out.loss
+
+
+def _resmlp():
+    import timm
+    import torch
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(1))
+    return timm.create_model("resmlp_12_224", num_classes=10, img_size=64).train(), (x,), {}, \
+        lambda out: torch.nn.functional.cross_entropy(out, y)
+
+
+MODELS = (("HF GPTBigCodeForCausalLM", _bigcode), ("timm mobilevitv2_050", _mobilevit))
+MORE = (("HF ConvNextV2ForImageClassification", _convnextv2), ("timm resmlp_12_224", _resmlp))
+
+
+def idle_segments(plan, saving_inside: bool = False) -> int:
+    """Segments none of whose made storages the plan frees (policy Rule 4 keeps them); with
+    ``saving_inside``, those of them with a layer that saves tensors of its own (an autocast
+    cast), which the replay does free."""
     from superneurons.planner import Action
     graph, count = plan.graph, 0
     for segment in plan.segments:
         inside = set(segment.layers)
         made = {graph.values[v].storage for l in segment.layers for v in graph.layers[l].outputs
                 if graph.storages[graph.values[v].storage].creator in inside}
-        count += all(plan.actions[s] is not Action.RECOMPUTE for s in made)
+        count += all(plan.actions[s] is not Action.RECOMPUTE for s in made) and (
+            not saving_inside or any(graph.layers[l].internal_saved_bytes for l in inside))
     return count
 
 
-def rows() -> list:
+def rows(models) -> list:
     import torch
     import superneurons as sn
     from common import cpu_bf16_steps
     out = []
-    for name, build in (("HF GPTBigCodeForCausalLM", _bigcode),
-                        ("timm mobilevitv2_050", _mobilevit)):
+    for name, build in models:
         torch.manual_seed(0)
         base, args, kwargs, loss_of = build()
         liveness = sn.plan(base, args, policy="liveness", autocast=torch.bfloat16,
@@ -78,6 +106,7 @@ def rows() -> list:
                         model.state_dict().values(), reference.state_dict().values())),
                     "replayed_layers": wrapped.stats.recomputed_layers,
                     "segments": len(plan.segments), "idle_segments": idle_segments(plan),
+                    "idle_saving_inside": idle_segments(plan, saving_inside=True),
                     "idle_segments_in_alternatives": [idle_segments(p)
                                                       for p in plan.alternatives]})
                 print(out[-1], flush=True)
@@ -87,7 +116,9 @@ def rows() -> list:
 def main():
     sys.path.insert(0, HERE)
     from common import write
-    write(os.path.join(sys.argv[1], "newcomers_idle_replays.json"), {"rows": rows()})
+    more = "--more" in sys.argv[2:]
+    write(os.path.join(sys.argv[1], "newcomers_idle_replays_more.json" if more else
+                       "newcomers_idle_replays.json"), {"rows": rows(MORE if more else MODELS)})
 
 
 if __name__ == "__main__":

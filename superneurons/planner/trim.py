@@ -39,11 +39,12 @@ replays whose plan fits the budget *with nothing moved*. Four families of plans 
   fitting plans only where every block replayed whole does not fit: where it does, the
   trial's two tries (runtime/trial.py) stay with it and the planner's first choice.
 
-Each fitting plan first drops the segments whose replay frees nothing (a convolution replayed
-alone whose output a kept in-place ReLU writes, a matrix product a kept layer reshapes: the
-storage stays on the device either way, policy Rule 4), where it still fits without them. The
-fitting plan with the least replay work wins; the others that fit are kept beside it
-(Plan.alternatives), for the runtime to time on the machine (runtime/trial.py). Where none fits
+Each fitting plan first drops the segments whose replay frees none of what they make (a
+convolution replayed alone whose output a kept in-place ReLU writes, a matrix product a kept
+layer reshapes: the storage stays on the device either way, policy Rule 4), where it still fits
+without them (their replay may still free what a layer saves of its own). The fitting plan
+with the least replay work wins; the others that fit are kept beside it (Plan.alternatives),
+for the runtime to time on the machine (runtime/trial.py). Where none fits
 without moving data, the Tensor Cache will move what the budget forces out; then the policy's
 own plan, the plan replaying every block and the split blocks are weighed by replay time plus
 the time to move what each would move (every rise of its live bytes above the budget, out and
@@ -111,13 +112,14 @@ def _usefulness(plan, segment) -> float:
 
 
 def _without_idle_replays(plan, budget: int, build):
-    """``plan`` less the segments whose replay frees nothing: where a kept layer writes in
-    place into what a segment makes, or views it, that storage stays on the device (policy
-    Rule 4) and the replay costs its work for nothing (a convolution replayed alone before an
-    in-place ReLU, a matrix product whose output a kept layer reshapes). The plan without them
-    is taken where it still fits with nothing moved and peaks no higher: kept instead of
-    replayed, such a storage can count longer on the device (timm mobilevitv2_050's attention
-    projections, whose outputs the pool takes either way)."""
+    """``plan`` less the segments whose replay frees none of what they make: where a kept layer
+    writes in place into what a segment makes, or views it, that storage stays on the device
+    (policy Rule 4) and the replay costs its work for it (a convolution replayed alone before an
+    in-place ReLU, a matrix product whose output a kept layer reshapes). Such a replay may still
+    free what its layers save of their own (under autocast, a layer's cast of its input: timm
+    mobilevitv2_050's attention projections, resmlp_12_224's token mixers), which the plan
+    without it keeps; so that plan is taken only where it still fits with nothing moved and
+    peaks no higher."""
     idle = {s.index for s in plan.segments
             if all(plan.actions[storage] is not Action.RECOMPUTE
                    for storage in _made(plan.graph, s))}
