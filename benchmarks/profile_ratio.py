@@ -86,8 +86,13 @@ def child(name: str, dtype: str, ratio: float, system: str) -> dict:
         step()
     torch.cuda.synchronize()
     unprofiled = (time.perf_counter() - began) / PROFILED
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     row = {"config": f"{name}:{dtype}:{ratio}:{system}", "unprofiled_wall_s": unprofiled,
            **profiled(step, PROFILED)}
+    # the allocator's retries at the cap a profiled step: each frees its cache and waits for
+    # the whole device first
+    row["alloc_retries_per_step"] = (torch.cuda.memory_stats(device).get(
+        "num_alloc_retries", 0) - retries) / PROFILED
     if system == "superneurons" and run.stats is not None:
         row["stats"] = run.stats.as_dict()
     return row

@@ -47,6 +47,9 @@ IMAGE, SEQUENCE, VOCAB = 224, 1024, 50257
 GPU_LOCK = "RATIO_GPU_LOCK"          # environment: the file a process locks for its timed steps
 SLICE_LOSS = "RATIO_SLICE_LOSS"      # environment: "0" wraps with slice_loss=False
 STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budget=True
+# environment: the allocator's cap times this number while superneurons' budget stays the cap's
+# (a diagnosis: what the allocator's retries at the cap cost a plan that is not changed)
+CAP_SLACK = "RATIO_CAP_SLACK"
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
 # untimed first steps: every system's first two (compilation, capture, pinning), the first
 # steps in which superneurons calibrates (executor Rule 4 reads the allocator at every layer,
@@ -118,7 +121,8 @@ def prepare(name: str, dtype: str, system: str, ratio, plain_peak, device):
     cap = int(plain_peak * ratio) if ratio else None
     if cap:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap / total, device)
+        slack = float(os.environ.get(CAP_SLACK, "1"))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * slack / total), device)
     torch.manual_seed(0)
     model, args, kwargs, loss_of = build(name, system, device)
     run = model

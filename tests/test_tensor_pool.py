@@ -131,6 +131,8 @@ def test_device_entries_count_whole_allocator_pages():
 
 
 class _SlowCopiesBothWays(_SlowCopies):
+    abandoned: list
+
     def to_device(self, host_bytes, after=None):
         self.back_after = after
         event = _Event()
@@ -139,6 +141,9 @@ class _SlowCopiesBothWays(_SlowCopies):
 
     def ready(self, device_bytes, event):
         pass
+
+    def abandon(self, event):
+        self.abandoned = [*getattr(self, "abandoned", []), event]
 
 
 def test_prefetches_give_way_to_a_step_with_less_room():
@@ -162,12 +167,16 @@ def test_prefetches_give_way_to_a_step_with_less_room():
     pool.make_room(step=12, forward=False)   # a step with less room: c, needed last, leaves
     assert c.state is State.TO_HOST and c.event is not None and c.device is None
     assert a.state is b.state is State.TO_DEVICE and pool.device_bytes == 8000
+    assert pool.mover.abandoned == [c.event]     # freed unread: behind its copy (mover Rule 2)
     room["bytes"] = 0
     pool.make_room(step=12, forward=False)   # a, needed now, stays
     assert a.state is State.TO_DEVICE and b.state is State.TO_HOST
     copied = c.event
     pool.fetch(c, step=14)                   # brought back behind the copy it had
     assert pool.mover.back_after is copied and c.state is State.ON_DEVICE
+    pending = a.event
+    pool.release(a)                          # its reader never came: freed behind its copy
+    assert pool.mover.abandoned[-1] is pending and pool.device_bytes == 4000
 
 
 def test_an_entry_released_unread_is_not_brought_back():

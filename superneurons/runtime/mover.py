@@ -8,7 +8,14 @@ Rule 1: an offload waits for the compute that produced the tensor; the caller ke
 Rule 2: a prefetch allocates from the compute stream's memory, where the tensor is read and freed
         (the allocator keeps memory per stream: blocks freed on the copy stream would be stranded
         there), waits for the compute queued before it (that memory may have just been freed by
-        it) and for the offload of the same bytes; its user waits on the prefetch's event.
+        it) and for the offload of the same bytes; its user waits on the prefetch's event. So
+        its bytes are freed on the compute stream after the copy, and the allocator may reuse
+        them at once. One freed unread (a prefetch that gives way, or is dropped) is freed
+        behind a wait of the compute stream for its copy (``abandon``), not marked with
+        record_stream: that would keep every prefetched block from reuse until the copy
+        stream had run all it held when the block was freed, the prefetches queued ahead
+        included, and the allocator, short of memory, would free its cache and wait for the
+        device instead.
 Rule 3: the device bytes of an offload still in flight may be freed at once if the compute stream
         first waits for its event: the allocator hands them only to what that stream (and a
         prefetch, which waits for that stream: Rule 2) runs after the copy. The host goes on
@@ -55,8 +62,13 @@ class Mover:
             device_bytes.copy_(host_bytes, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
-        device_bytes.record_stream(self.h2d)    # freed unread (released early): wait for the copy
         return device_bytes, event
+
+    def abandon(self, event) -> None:
+        """Let the bytes of a prefetch not read be freed now (Rule 2): what the compute
+        stream runs next, which the allocator may hand them to, waits for the copy."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def copies_in(self):
         """An event after every host-to-device copy queued so far (host.py Rule 4's fence)."""

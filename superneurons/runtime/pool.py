@@ -159,7 +159,7 @@ class TensorPool:
     def _give_way(self, step: int, limit: int) -> None:
         """Rule 2's prefetches give way to a step whose room is smaller than the room they were
         started in (autograd ran a branch's backward before the route's order has it): those
-        whose copies are done first (the allocator reuses a block only once its copy is done),
+        whose copies are done first (the compute stream waits for one still running: mover Rule 2),
         then those needed last; one needed now stays. Their host copies are still valid: the
         copy back waited for the copy out, so its event stands for both (a prefetch made again,
         or the host region's reuse, waits for it): such an entry is TO_HOST again."""
@@ -172,7 +172,8 @@ class TensorPool:
         for entry in ahead:
             if self.device_bytes <= limit:
                 break
-            self._hold(-entry.footprint, -entry.nbytes)     # mover Rule 2: freed unread
+            self._hold(-entry.footprint, -entry.nbytes)
+            self.mover.abandon(entry.event)      # mover Rule 2: freed unread
             entry.let_go()
             entry.state = State.TO_HOST if entry.event is not None else State.ON_HOST
             self._waiting = None                 # Rule 2's queue holds it no more
@@ -307,6 +308,8 @@ class TensorPool:
             return
         if entry.device is not None:
             self._hold(-entry.footprint, -entry.nbytes)
+            if entry.state is State.TO_DEVICE:
+                self.mover.abandon(entry.event)  # mover Rule 2: freed unread
         self.lru.pop(entry.key, None)
         if entry.host is not None:
             self.host_memory.release(entry.host, entry.event)

@@ -138,7 +138,7 @@ class StateTier:
         to_host_memory(self.model, self.device)
         self.resident = {id(host): host for host in resident}
         self.kept = {}                  # Rule 7: a partial backward may have left some
-        self.ahead.clear()
+        self._drop_ahead()
         self.uses.clear()
         self.views, self.saved_at, self.saved_steps = {}, {}, None
         self.reading, self.reading_step = {}, None
@@ -240,6 +240,12 @@ class StateTier:
             self.kept[id(host)] = (host, host._version, _address(host), device_bytes)
         return device_bytes
 
+    def _drop_ahead(self) -> None:
+        """Free the copies fetched ahead and not read (mover Rule 2)."""
+        for _, event in self.ahead.values():
+            self.mover.abandon(event)
+        self.ahead.clear()
+
     def _kept_copy(self, host: torch.Tensor):
         """Rule 7: the kept device bytes of ``host``, if made from it as it is now."""
         kept = self.kept.get(id(host))
@@ -251,7 +257,7 @@ class StateTier:
     def release(self) -> None:
         """Drop every copy this tier holds on the device between layers or steps; a StateRef
         still to be read fetches its state again, and keeps no copy (Rule 7)."""
-        self.ahead.clear()
+        self._drop_ahead()
         self.kept.clear()
         self.resident = {}
 
@@ -373,7 +379,7 @@ class StateTier:
                     host.grad += target
         self.copies, self.sent = [], 0
         # what a partial backward fetched ahead for a step it did not reach: not kept past it
-        self.ahead.clear()
+        self._drop_ahead()
         # resident copies are for this step alone (Rule 7): free before the optimizer steps
         self.kept = {}
         self.reading, self.reading_step = {}, None
