@@ -7,12 +7,14 @@ waits on the device.
 SYSTEM is superneurons (default), checkpoint, or plain (uncapped, RATIO ignored). The cap is
 RATIO of the plain peak in results/ratio_MODEL_DTYPE.json. Each config runs in a fresh process:
 4 steps, superneurons' more until its trial of plans is over (module Rule 10), then 2 profiled;
-writes OUT_DIR/profile_ratio.json.
+writes OUT_DIR/profile_ratio.json. Each row also says where the compute stream stood still, and
+which copies ran meanwhile (stream_gaps.py).
 """
 
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -58,7 +60,17 @@ def profiled(step, steps: int) -> dict:
     return {"wall_s": wall, "kernel_s": busy, "device_idle_share": max(0.0, 1 - busy / wall),
             "kernel_s_by_kind": dict(kernels),
             "kernels_by_kind": {k: v // steps for k, v in counts.items()},
-            "host_waits_s": dict(waits)}
+            "host_waits_s": dict(waits), "compute_stream": _compute_stream(profiler, steps)}
+
+
+def _compute_stream(profiler, steps: int) -> dict:
+    """stream_gaps of the profiled steps, through the Chrome trace the profiler exports."""
+    from stream_gaps import stream_gaps
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as f:
+            return stream_gaps(json.load(f), steps)
 
 
 def child(name: str, dtype: str, ratio: float, system: str) -> dict:
