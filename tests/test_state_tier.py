@@ -3,6 +3,8 @@ the model's own tensors, and what cannot be made exact refused. On the CPU the "
 are copies in host memory, so every path of the tier runs (fetch, saved-state references,
 gradients summed per use and set or accumulated, buffers written back)."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -147,3 +149,26 @@ def test_the_plan_streams_state_and_says_what_it_moves():
     assert "model state on the host" in on_host.explain()
     with pytest.raises(ValueError, match="state on the host .*needs"):
         sn.plan(model, (2, 3, 64, 64), budget=on_host.peak_bytes)
+
+
+class _AbandonCounter:
+    """A mover that records which prefetches were freed unread (mover Rule 2)."""
+
+    def __init__(self):
+        self.abandoned = []
+
+    def abandon(self, event):
+        self.abandoned.append(event)
+
+
+def test_copies_fetched_ahead_and_never_read_wait_for_their_copy_when_dropped():
+    from superneurons.runtime.state import StateTier
+    mover = _AbandonCounter()
+    tier = StateTier(nn.Linear(2, 2), torch.device("cpu"), mover)
+    tier.ahead[1] = (torch.empty(4), "copy 1")
+    tier.release()                          # between steps
+    assert mover.abandoned == ["copy 1"] and not tier.ahead
+    tier.ahead[2] = (torch.empty(4), "copy 2")
+    del tier                                # a backward raised after fetching ahead
+    gc.collect()
+    assert mover.abandoned == ["copy 1", "copy 2"]

@@ -246,6 +246,12 @@ class StateTier:
             self.mover.abandon(event)
         self.ahead.clear()
 
+    def __del__(self):
+        # a backward that raised after fetching ahead, and no step after it, leaves copies
+        # unread that may still be running when the tier goes
+        if self.ahead:
+            self._drop_ahead()
+
     def _kept_copy(self, host: torch.Tensor):
         """Rule 7: the kept device bytes of ``host``, if made from it as it is now."""
         kept = self.kept.get(id(host))
