@@ -105,6 +105,22 @@ def test_a_parameter_changed_between_forward_and_backward_fails_as_in_plain_pyto
         loss.backward()
 
 
+def test_training_goes_on_as_plain_pytorch_after_a_backward_that_raised():
+    plain, model = _resnet(), _resnet()
+    wrapped = sn.wrap(model, policy="liveness", state="host", device="cpu")
+    for module, run in ((plain, plain), (model, wrapped)):
+        x, y = _batch()
+        loss = nn.functional.cross_entropy(run(x), y)
+        with torch.no_grad():       # the stem's backward runs last: the head's gradients
+            module.stem[0].weight.add_(1.0)                     # arrive before it raises
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        module.zero_grad(set_to_none=True)
+    _train(plain, plain)
+    _train(model, wrapped)
+    _same(plain, model)
+
+
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "c_shared_twice", "c_shared_batchnorm",
                                   "c_spectral_norm", "c_no_grad_branch", "c_autocast_bf16_region",
                                   "c_kwargs_dict", "c_rand_like"])

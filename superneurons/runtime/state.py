@@ -136,6 +136,8 @@ class StateTier:
         load_state_dict(assign=True) does) and brought to host memory where they are not;
         ``resident``: the host tensors the plan keeps on the device now (Rule 7)."""
         to_host_memory(self.model, self.device)
+        if self.finishing:
+            self._forget_backward()
         self.resident = {id(host): host for host in resident}
         self.kept = {}                  # Rule 7: a partial backward may have left some
         self._drop_ahead()
@@ -144,6 +146,17 @@ class StateTier:
         self.reading, self.reading_step = {}, None
         self.moved_bytes = 0
         self.syncing = self.data_parallel                                     # Rule 6
+
+    def _forget_backward(self) -> None:
+        """A backward that raised never ran _finish (autograd runs no callback after an
+        error): its gradients were not set, as plain PyTorch's from a failed backward may
+        not all be; none of them may reach a later step's."""
+        if self.cuda:
+            self.mover.d2h.synchronize()        # its copies write into host memory dropped now
+        self.arrived.clear()
+        self.copies, self.sent = [], 0
+        self.round = None
+        self.finishing = False
 
     def end_forward(self) -> None:
         """Views noted in forward are not read again (replays note their own); a forward that
