@@ -13,7 +13,8 @@ Rule 3: a copy's gradient is summed on the device over the step's uses of its pa
         memory on the copy stream as soon as the last use has delivered. When backward ends, the
         host waits for the copies and sets .grad, or adds to it where a gradient is already
         there (accumulation over micro-batches: AccumulateGrad adds in place). The gradient
-        never waits on the device for the rest of backward.
+        never waits on the device for the rest of backward. A backward that raises sets no
+        .grad (autograd runs no callback after an error); the next step drops what it sent.
 Rule 4: a buffer a layer writes in place (running statistics) is copied back to the host after
         the layer, in stream order; host reads are safe once backward has ended (Rule 3 waits).
         A replay writes only its own copies.
