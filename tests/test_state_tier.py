@@ -3,6 +3,7 @@ the model's own tensors, and what cannot be made exact refused. On the CPU the "
 are copies in host memory, so every path of the tier runs (fetch, saved-state references,
 gradients summed per use and set or accumulated, buffers written back)."""
 
+import copy
 import gc
 
 import pytest
@@ -120,6 +121,28 @@ def test_training_goes_on_as_plain_pytorch_after_a_backward_that_raised():
     _train(model, wrapped)
     _same(plain, model)
 
+
+def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised():
+    pytest.importorskip("transformers")
+    from today_models import build_hf_gpt2
+    torch.manual_seed(0)
+    plain, _, kwargs, loss_of = build_hf_gpt2()
+    model = copy.deepcopy(plain)
+    wrapped = sn.wrap(model, policy="superneurons", state="host", device="cpu")
+    for module, run in ((plain, plain), (model, wrapped)):
+        torch.manual_seed(1)                                    # the same dropout masks
+        loss = loss_of(run(**kwargs))
+        with torch.no_grad():       # the first block's backward runs after the head's
+            module.transformer.h[0].attn.c_attn.weight.add_(0.5)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(2 + step)
+            loss_of(run(**kwargs)).backward()
+            optimizer.step()
+    _same(plain, model)
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "c_shared_twice", "c_shared_batchnorm",
                                   "c_spectral_norm", "c_no_grad_branch", "c_autocast_bf16_region",
