@@ -8,7 +8,8 @@ one with copies to the device waiting for a prefetch (Rule 2), one with no copy 
 host not keeping up.
 
 Read from the Chrome trace torch.profiler exports: kernels, copies and memsets carry their
-stream in ``args`` (else in ``tid``); the compute stream is the one whose kernels take the most time.
+stream in ``args`` (else in ``tid``); the compute stream is the one whose kernels take the most
+time.
 """
 
 from collections import defaultdict
