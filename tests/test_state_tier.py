@@ -211,3 +211,58 @@ def test_copies_fetched_ahead_and_never_read_wait_for_their_copy_when_dropped():
     del tier                                # a backward raised after fetching ahead
     gc.collect()
     assert mover.abandoned == ["copy 1", "copy 2"]
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output head: its parameter has two uses a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(64, 32), nn.Linear(32, 32)
+
+    def forward(self, ids):
+        return torch.tanh(self.mid(self.emb(ids))) @ self.emb.weight.t()
+
+
+def _tied_loss(run, seed):
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(seed))
+    return nn.functional.cross_entropy(run(ids).flatten(0, 1), ids.flatten())
+
+
+def _two_forwards_one_loss(run):
+    (_tied_loss(run, 1) + _tied_loss(run, 2)).backward()
+
+
+def _no_grad_forward_between(run):
+    loss = _tied_loss(run, 1)
+    with torch.no_grad():
+        run(torch.zeros(2, 16, dtype=torch.long))
+    loss.backward()
+
+
+def _two_forwards_two_backwards(run):
+    first, second = _tied_loss(run, 1), _tied_loss(run, 2)
+    first.backward()
+    second.backward()
+
+
+def _one_graph_twice(run):
+    loss = _tied_loss(run, 1)
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+@pytest.mark.parametrize("pattern", [_two_forwards_one_loss, _no_grad_forward_between,
+                                     _two_forwards_two_backwards, _one_graph_twice])
+def test_each_backward_sums_the_uses_it_reaches_as_autograd_does(pattern):
+    """A gradient is sent once every use the running backward reaches has delivered: a count
+    per forward sent partial sums where one backward ran two forwards' graphs, and their
+    order of additions was not autograd's (tied weights, .grad accumulated)."""
+    torch.manual_seed(0)
+    plain = _Tied()
+    model = copy.deepcopy(plain)
+    wrapped = sn.wrap(model, policy="liveness", state="host", device="cpu")
+    for module, run in ((plain, plain), (model, wrapped)):
+        _tied_loss(run, 0).backward()       # .grad already there: accumulated into
+        pattern(run)
+    _same(plain, model)

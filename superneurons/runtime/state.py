@@ -8,9 +8,11 @@ Rule 2: what autograd saves of a copy (a convolution's weight) becomes a StateRe
         tensor, fetched again for the backward that reads it (a resident one's kept copy is
         read, Rule 7). Its version is checked there: a parameter changed between forward and
         backward fails as plain PyTorch's backward does.
-Rule 3: a copy's gradient is summed on the device over the step's uses of its parameter, in the
-        order autograd delivers them (autograd's own input buffer sums so), then copied to host
-        memory on the copy stream as soon as the last use has delivered. When backward ends, the
+Rule 3: a copy's gradient is summed on the device over the uses of its parameter that the
+        backward running reaches (autograd's graph task: every forward whose graph it runs,
+        two forwards summed into one loss among them), in the order autograd delivers them
+        (its own input buffer sums so), then copied to host memory on the copy stream as soon
+        as the last of those uses has delivered. When backward ends, the
         host waits for the copies and sets .grad, or adds to it where a gradient is already
         there (accumulation over micro-batches: AccumulateGrad adds in place). The gradient
         never waits on the device for the rest of backward. A backward that raises sets no
@@ -39,7 +41,9 @@ Rule 7: state the plan keeps resident (planner/state.py) is fetched once a step 
 """
 
 import bisect
+import collections
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -54,6 +58,7 @@ class _Fetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, host, tier, box):
         ctx.tier, ctx.host = tier, host
+        tier.fetches.add(ctx)           # Rule 3: a use of ``host`` a backward may reach
         return box[0]
 
     @staticmethod
@@ -120,7 +125,10 @@ class StateTier:
         self.saved_steps = None     # those steps in order, once backward begins
         self.reading: dict = {}     # id(host tensor) -> device bytes of the backward step now
         self.reading_step = None
-        self.uses: dict = {}        # id(parameter) -> its copies in the step's graph
+        # Rule 3: the _Fetch nodes of every graph still alive, and how many of them the
+        # backward running (autograd's graph task) reaches, per parameter
+        self.fetches = weakref.WeakSet()
+        self.task, self.reaching = None, {}
         self.arrived: dict = {}     # id(parameter) -> [gradients delivered, device sum]
         self.copies: list = []      # (parameter, host gradient bytes, event, device gradient)
         self.sent = 0               # copies before this one have freed their device gradient
@@ -142,7 +150,6 @@ class StateTier:
         self.resident = {id(host): host for host in resident}
         self.kept = {}                  # Rule 7: a partial backward may have left some
         self._drop_ahead()
-        self.uses.clear()
         self.views, self.saved_at, self.saved_steps = {}, {}, None
         self.reading, self.reading_step = {}, None
         self.moved_bytes = 0
@@ -155,6 +162,7 @@ class StateTier:
         if self.cuda:
             self.mover.d2h.synchronize()        # its copies write into host memory dropped now
         self.arrived.clear()
+        self.task, self.reaching = None, {}
         self.copies, self.sent = [], 0
         self.round = None
         self.finishing = False
@@ -291,7 +299,6 @@ class StateTier:
         to the parameter (a forward, not a replay)."""
         copy = rebuild(self.fetch_bytes(host), view_of(host))
         if trains and host.requires_grad and torch.is_grad_enabled():
-            self.uses[id(host)] = self.uses.get(id(host), 0) + 1
             return _Fetch.apply(host, self, (copy,))
         return copy.requires_grad_(host.requires_grad and torch.is_grad_enabled())
 
@@ -335,13 +342,18 @@ class StateTier:
             self.finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self.round = self.syncing.begin_backward() if self.syncing is not None else None
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.reaching = task, collections.Counter(
+                id(use.host) for use in list(self.fetches)
+                if torch._C._will_engine_execute_node(use))
         key = id(host)
         arrived = self.arrived.get(key)
         if arrived is None:
             arrived = self.arrived[key] = [0, None, host]
         arrived[0] += 1
         arrived[1] = grad if arrived[1] is None else arrived[1] + grad
-        if arrived[0] >= self.uses.get(key, 1):
+        if arrived[0] >= self.reaching.get(key, 1):
             self._complete(self.arrived.pop(key))
         self._drop_sent()
 
@@ -382,6 +394,7 @@ class StateTier:
         for arrived in list(self.arrived.values()):
             self._complete(arrived)
         self.arrived.clear()
+        self.task, self.reaching = None, {}
         if self.round is not None:                                            # Rule 6
             for host, grad, replaces in self.round.finish():
                 self._send((None, grad, host), replaces)
