@@ -144,6 +144,7 @@ def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised()
             optimizer.step()
     _same(plain, model)
 
+
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "c_shared_twice", "c_shared_batchnorm",
                                   "c_spectral_norm", "c_no_grad_branch", "c_autocast_bf16_region",
                                   "c_kwargs_dict", "c_rand_like"])
@@ -255,9 +256,9 @@ def _one_graph_twice(run):
 @pytest.mark.parametrize("pattern", [_two_forwards_one_loss, _no_grad_forward_between,
                                      _two_forwards_two_backwards, _one_graph_twice])
 def test_each_backward_sums_the_uses_it_reaches_as_autograd_does(pattern):
-    """A gradient is sent once every use the running backward reaches has delivered: a count
-    per forward sent partial sums where one backward ran two forwards' graphs, and their
-    order of additions was not autograd's (tied weights, .grad accumulated)."""
+    """A gradient is sent once every use the running backward reaches has delivered, so that
+    its additions into .grad follow autograd's order where one backward runs two forwards'
+    graphs, or one graph runs twice (tied weights, .grad accumulated into)."""
     torch.manual_seed(0)
     plain = _Tied()
     model = copy.deepcopy(plain)
