@@ -20,6 +20,7 @@ from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM, PROFILED = 4, 2
+TOP = 25                # the kernels with the most time a step, named: which engines ran
 SETTLING = 20           # at most this many more steps, until superneurons has timed its plans
 KINDS = (("conv", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "xmma", "sm90_xmma")),
          ("batch_norm", ("batch_norm", "bn_", "welford")),
@@ -38,7 +39,8 @@ def _kind(name: str) -> str:
 def profiled(step, steps: int) -> dict:
     """``steps`` calls of ``step`` under torch.profiler: wall seconds a step, kernel seconds a
     step by kind (copies on their own streams overlap the rest, so the kinds may add up to more
-    than the wall), kernels by kind, and the host's waits on the device a step."""
+    than the wall), kernels by kind, the kernels that took longest, and the host's waits on the
+    device a step."""
     import torch
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
@@ -48,19 +50,23 @@ def profiled(step, steps: int) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - began) / steps
     kernels, waits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    each = []
     for event in profiler.key_averages():
         device_us = getattr(event, "self_device_time_total", 0)
         if event.device_type == torch.autograd.DeviceType.CUDA or \
                 (device_us > 0 and event.self_cpu_time_total == 0):
             kernels[_kind(event.key)] += device_us / 1e6 / steps
             counts[_kind(event.key)] += event.count
+            each.append({"kernel": event.key[:120], "kind": _kind(event.key),
+                         "ms": device_us / 1e3 / steps, "count": event.count / steps})
         elif event.key in WAITS:
             waits[event.key] += event.cpu_time_total / 1e6 / steps
     busy = sum(kernels.values())
     return {"wall_s": wall, "kernel_s": busy, "device_idle_share": max(0.0, 1 - busy / wall),
             "kernel_s_by_kind": dict(kernels),
             "kernels_by_kind": {k: v // steps for k, v in counts.items()},
-            "host_waits_s": dict(waits), "compute_stream": _compute_stream(profiler, steps)}
+            "host_waits_s": dict(waits), "compute_stream": _compute_stream(profiler, steps),
+            "top_kernels": sorted(each, key=lambda k: -k["ms"])[:TOP]}
 
 
 def _compute_stream(profiler, steps: int) -> dict:
