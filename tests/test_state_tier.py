@@ -21,18 +21,19 @@ def _resnet():
     return sn.models.resnet(blocks=(1, 1, 2, 1), num_classes=10)
 
 
-def _batch(step=0):
+def _batch(step=0, device="cpu"):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    return x.to(device), y.to(device)
 
 
-def _train(model, run, steps=3, micro=1):
+def _train(model, run, steps=3, micro=1, device="cpu"):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
         for k in range(micro):               # micro > 1: gradients accumulate over calls
-            x, y = _batch(10 * step + k)
+            x, y = _batch(10 * step + k, device)
             loss = nn.functional.cross_entropy(run(x), y)
             loss.backward()
             losses.append(loss.detach())
@@ -41,33 +42,34 @@ def _train(model, run, steps=3, micro=1):
 
 
 def _same(plain, other) -> None:
+    """``other``'s state is in host memory; ``plain`` ran on the compute device."""
     for (key, a), (_, b) in zip(plain.state_dict().items(), other.state_dict().items()):
-        assert torch.equal(a, b), key
+        assert torch.equal(a.cpu(), b), key
     for (key, a), (_, b) in zip(plain.named_parameters(), other.named_parameters()):
-        assert (a.grad is None) == (b.grad is None) and (a.grad is None or
-                                                          torch.equal(a.grad, b.grad)), key
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad.cpu(), b.grad)), key
 
 
 @pytest.mark.parametrize("policy", ["liveness", "offload", "recompute", "superneurons"])
-def test_the_zoo_trains_as_plain_pytorch_with_its_state_on_the_host(policy):
-    plain = _resnet()
-    expected, plain_optimizer = _train(plain, plain)
+def test_the_zoo_trains_as_plain_pytorch_with_its_state_on_the_host(policy, device):
+    plain = _resnet().to(device)
+    expected, plain_optimizer = _train(plain, plain, device=device)
     model = _resnet()
-    wrapped = sn.wrap(model, policy=policy, state="host", device="cpu")
-    got, optimizer = _train(model, wrapped)
+    wrapped = sn.wrap(model, policy=policy, state="host", device=device)
+    got, optimizer = _train(model, wrapped, device=device)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     _same(plain, model)
     for a, b in zip(plain_optimizer.state.values(), optimizer.state.values()):
-        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+        assert torch.equal(a["momentum_buffer"].cpu(), b["momentum_buffer"])
     assert wrapped.stats.state_moved_bytes > 0
 
 
-def test_gradients_accumulate_over_micro_batches_as_autograd_adds_them():
-    plain = _resnet()
-    expected, _ = _train(plain, plain, steps=2, micro=2)
+def test_gradients_accumulate_over_micro_batches_as_autograd_adds_them(device):
+    plain = _resnet().to(device)
+    expected, _ = _train(plain, plain, steps=2, micro=2, device=device)
     model = _resnet()
-    got, _ = _train(model, sn.wrap(model, policy="superneurons", state="host", device="cpu"),
-                    steps=2, micro=2)
+    got, _ = _train(model, sn.wrap(model, policy="superneurons", state="host", device=device),
+                    steps=2, micro=2, device=device)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     _same(plain, model)
 
@@ -106,29 +108,31 @@ def test_a_parameter_changed_between_forward_and_backward_fails_as_in_plain_pyto
         loss.backward()
 
 
-def test_training_goes_on_as_plain_pytorch_after_a_backward_that_raised():
-    plain, model = _resnet(), _resnet()
-    wrapped = sn.wrap(model, policy="liveness", state="host", device="cpu")
+def test_training_goes_on_as_plain_pytorch_after_a_backward_that_raised(device):
+    plain, model = _resnet().to(device), _resnet()
+    wrapped = sn.wrap(model, policy="liveness", state="host", device=device)
     for module, run in ((plain, plain), (model, wrapped)):
-        x, y = _batch()
+        x, y = _batch(device=device)
         loss = nn.functional.cross_entropy(run(x), y)
         with torch.no_grad():       # the stem's backward runs last: the head's gradients
             module.stem[0].weight.add_(1.0)                     # arrive before it raises
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
         module.zero_grad(set_to_none=True)
-    _train(plain, plain)
-    _train(model, wrapped)
+    _train(plain, plain, device=device)
+    _train(model, wrapped, device=device)
     _same(plain, model)
 
 
-def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised():
+def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised(device):
     pytest.importorskip("transformers")
     from today_models import build_hf_gpt2
     torch.manual_seed(0)
-    plain, _, kwargs, loss_of = build_hf_gpt2()
-    model = copy.deepcopy(plain)
-    wrapped = sn.wrap(model, policy="superneurons", state="host", device="cpu")
+    model, _, kwargs, loss_of = build_hf_gpt2()
+    plain = copy.deepcopy(model).to(device)
+    kwargs = {name: value.to(device) if torch.is_tensor(value) else value
+              for name, value in kwargs.items()}
+    wrapped = sn.wrap(model, policy="superneurons", state="host", device=device)
     for module, run in ((plain, plain), (model, wrapped)):
         torch.manual_seed(1)                                    # the same dropout masks
         loss = loss_of(run(**kwargs))
@@ -136,7 +140,9 @@ def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised()
             module.transformer.h[0].attn.c_attn.weight.add_(0.5)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        # SGD: the tier's optimizer steps in host memory, and AdamW's CPU kernels round
+        # otherwise than its CUDA ones (the gradients agree), so plain's on CUDA would not
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
         for step in range(3):
             optimizer.zero_grad(set_to_none=True)
             torch.manual_seed(2 + step)
@@ -227,7 +233,8 @@ class _Tied(nn.Module):
 
 def _tied_loss(run, seed):
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(seed))
-    return nn.functional.cross_entropy(run(ids).flatten(0, 1), ids.flatten())
+    logits = run(ids)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten().to(logits.device))
 
 
 def _two_forwards_one_loss(run):
@@ -255,15 +262,16 @@ def _one_graph_twice(run):
 
 @pytest.mark.parametrize("pattern", [_two_forwards_one_loss, _no_grad_forward_between,
                                      _two_forwards_two_backwards, _one_graph_twice])
-def test_each_backward_sums_the_uses_it_reaches_as_autograd_does(pattern):
+def test_each_backward_sums_the_uses_it_reaches_as_autograd_does(pattern, device):
     """A gradient is sent once every use the running backward reaches has delivered, so that
     its additions into .grad follow autograd's order where one backward runs two forwards'
     graphs, or one graph runs twice (tied weights, .grad accumulated into)."""
     torch.manual_seed(0)
-    plain = _Tied()
-    model = copy.deepcopy(plain)
-    wrapped = sn.wrap(model, policy="liveness", state="host", device="cpu")
-    for module, run in ((plain, plain), (model, wrapped)):
+    model = _Tied()
+    plain = copy.deepcopy(model).to(device)
+    wrapped = sn.wrap(model, policy="liveness", state="host", device=device)
+    for step in (plain, wrapped):
+        run = lambda ids, step=step: step(ids.to(device))              # noqa: E731
         _tied_loss(run, 0).backward()       # .grad already there: accumulated into
         pattern(run)
     _same(plain, model)
