@@ -1,7 +1,8 @@
 """Model state in host memory (sn.wrap(..., state="host")): the same training as plain PyTorch,
 the model's own tensors, and what cannot be made exact refused. On the CPU the "device copies"
 are copies in host memory, so every path of the tier runs (fetch, saved-state references,
-gradients summed per use and set or accumulated, buffers written back)."""
+gradients summed per use and set or accumulated, buffers written back); the cases taking
+``device`` run on CUDA too, against plain PyTorch there under deterministic kernels."""
 
 import copy
 import gc
@@ -140,9 +141,10 @@ def test_an_hf_decoder_trains_on_as_plain_pytorch_after_a_backward_that_raised(d
             module.transformer.h[0].attn.c_attn.weight.add_(0.5)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
-        # SGD: the tier's optimizer steps in host memory, and AdamW's CPU kernels round
-        # otherwise than its CUDA ones (the gradients agree), so plain's on CUDA would not
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        # the tier's optimizer steps in host memory, and AdamW's CPU kernels round otherwise
+        # than its CUDA ones (the gradients agree): on CUDA both step SGD, whose kernels agree
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3) if device == "cpu" else \
+            torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
         for step in range(3):
             optimizer.zero_grad(set_to_none=True)
             torch.manual_seed(2 + step)

@@ -77,6 +77,18 @@ def test_a_workspace_gets_the_room_the_budget_leaves_beside_the_outputs(monkeypa
     assert fake.emptied == 0                        # 8 MiB cached free: less than the room
 
 
+@pytest.mark.parametrize("outputs", [MiB, 256 * MiB, 600 * MiB])
+def test_with_room_the_limit_is_the_budget_less_the_slack_whatever_the_outputs(
+        monkeypatch, outputs):
+    """The results are allocated under the limit too: counted in the room and again in the
+    limit, a workspace would get the room less the results' bytes."""
+    fake = FakeAllocator(monkeypatch, allocated=GiB, reserved=GiB + 64 * MiB)
+    fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=16 * MiB)
+    with fit.fitted([outputs]):
+        assert fake.limit == pytest.approx(2 * GiB - 16 * MiB, abs=1)
+    assert fake.emptied == 0                       # 64 MiB cached free: within the room
+
+
 def test_without_room_the_outputs_still_fit_and_cached_blocks_are_returned(monkeypatch):
     fake = FakeAllocator(monkeypatch, allocated=2 * GiB - 100 * MiB, reserved=3 * GiB)
     fit = WorkspaceFit(CUDA0, budget_bytes=2 * GiB, slack_bytes=0)
@@ -119,10 +131,11 @@ def test_a_backward_convolution_runs_limited_and_brings_its_saved_tensors_back_u
     gradients = grad_bytes([x, conv.weight, conv.bias])
     fit.through_backward(out, gradients)
     out.sum().backward()          # an expanded gradient reaches it: cuDNN copies it, counted
-    gradients += [out.numel() * out.element_size()]
     assert seen[:2] == [("unpacking", True, True), ("lifted", 1.0)]
-    assert seen[-1] == ("limited again", pytest.approx(fake.reserved + max(
-        2 * GiB - fake.allocated, 5 * segment_bytes(1)), abs=1))
+    # the budget, or what is reserved then plus the segments of its four results (the
+    # gradients of x, weight and bias, and cuDNN's copy) and one small segment
+    assert seen[-1] == ("limited again", pytest.approx(
+        max(2 * GiB, fake.reserved + 5 * segment_bytes(1)), abs=1))
     assert fake.fraction == 1.0 and not fit.limiting
 
 

@@ -201,13 +201,13 @@ class WorkspaceFit:
         """Limit the allocator for one convolution; returns the fraction to give back.
 
         With R reserved and A allocated now, results O and room W = budget - slack - A - O,
-        the limit is the larger of A + O + W (the budget less the slack: the results are
-        allocated under the limit too, and a workspace gets at most W, blocks cached free
-        included) and R + what O's requests reserve at most (the results always fit, where O
-        counts them all; a workspace then gets at most their rounding past W, under 20 MiB a
-        result, within the slack of any budget above 1 GiB), with one small segment more there.
-        Where more than W is cached free, the cache is emptied first (only its wholly free
-        segments go back)."""
+        the limit is the larger of the budget less the slack (the results are allocated under
+        the limit too, and a workspace gets at most W, blocks cached free included) and R +
+        what O's requests reserve at most (the results always fit, where O counts them all;
+        without room a workspace gets at most their rounding, under 20 MiB a result, within
+        the slack of any budget above 1 GiB), with one small segment more there. Where more
+        than W is cached free, the cache is emptied first (only its wholly free segments go
+        back)."""
         caller = torch.cuda.get_per_process_memory_fraction(self.index)
         allocated, reserved, retries = _stats(self.index)
         room = max(0, self.budget_bytes - self.slack_bytes - allocated - sum(output_bytes))
@@ -217,7 +217,7 @@ class WorkspaceFit:
         # without room, one small segment beyond the results': a kernel's own small requests
         # (at most 1 MiB, which a workspace above that never takes) may need one where the
         # small ones are full. With room they come out of it, so the budget bounds the limit.
-        limit = max(allocated + sum(output_bytes) + room,
+        limit = max(self.budget_bytes - self.slack_bytes,
                     reserved + sum(segment_bytes(n) for n in output_bytes) + _SMALL_SEGMENT)
         torch.cuda.set_per_process_memory_fraction(min(caller, limit / self.total), self.index)
         own_limit_began(self.index, retries)         # near_limit.py: not the device's limit
