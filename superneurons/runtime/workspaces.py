@@ -8,10 +8,11 @@ device, or the caller's own memory fraction, allows: not what the budget leaves.
 at 1.72 GiB.
 
 So while a plan calibrates (its first steps, executor Rule 4), and at every step once one passed
-the budget, each convolution, forward or backward, runs with the allocator limited to what it
-reserves now and the room the budget leaves beside the convolution's outputs (_limit says how).
-Its free cached blocks are returned first when they are more than that room: the limit bounds
-what the allocator reserves anew, and a cached block would serve a workspace past it. A backward
+the budget, each convolution, forward or backward, runs with the allocator limited to the
+budget (less the calibration's slack): its outputs and a workspace in the room beside them, or
+with no room, the outputs alone (_limit says how). Its free cached blocks are returned first
+when they are more than the room beside the outputs: the limit bounds what the allocator
+reserves anew, and a cached block would serve a workspace past it. A backward
 convolution's limit starts before its node runs and is lifted while the node brings its saved
 tensors back. The engines chosen or kept then fit the room of a calibrated step, and later steps
 run them again, at no cost; where a later step still passed the budget, every step after it is
