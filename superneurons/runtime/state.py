@@ -161,6 +161,10 @@ class StateTier:
         not all be; none of them may reach a later step's."""
         if self.cuda:
             self.mover.d2h.synchronize()        # its copies write into host memory dropped now
+        self._backward_over()
+
+    def _backward_over(self) -> None:
+        """Rule 3's bookkeeping of one backward, gone: the next starts afresh."""
         self.arrived.clear()
         self.task, self.reaching = None, {}
         self.copies, self.sent = [], 0
@@ -393,12 +397,9 @@ class StateTier:
         are sent too; then the host waits and sets or accumulates .grad."""
         for arrived in list(self.arrived.values()):
             self._complete(arrived)
-        self.arrived.clear()
-        self.task, self.reaching = None, {}
         if self.round is not None:                                            # Rule 6
             for host, grad, replaces in self.round.finish():
                 self._send((None, grad, host), replaces)
-            self.round = None
         if self.cuda:
             self.mover.d2h.synchronize()
             torch.cuda.current_stream(self.device).synchronize()    # buffers written back
@@ -410,13 +411,12 @@ class StateTier:
                     host.grad.copy_(target)
                 else:
                     host.grad += target
-        self.copies, self.sent = [], 0
+        self._backward_over()
         # what a partial backward fetched ahead for a step it did not reach: not kept past it
         self._drop_ahead()
         # resident copies are for this step alone (Rule 7): free before the optimizer steps
         self.kept = {}
         self.reading, self.reading_step = {}, None
-        self.finishing = False
 
 
 def _address(host: torch.Tensor) -> int:
