@@ -272,8 +272,9 @@ def test_each_backward_sums_the_uses_it_reaches_as_autograd_does(pattern, device
     model = _Tied()
     plain = copy.deepcopy(model).to(device)
     wrapped = sn.wrap(model, policy="liveness", state="host", device=device)
-    for step in (plain, wrapped):
-        run = lambda ids, step=step: step(ids.to(device))              # noqa: E731
+    for module in (plain, wrapped):
+        def run(ids, module=module):                    # the ids on the compute device
+            return module(ids.to(device))
         _tied_loss(run, 0).backward()       # .grad already there: accumulated into
         pattern(run)
     _same(plain, model)
