@@ -4,13 +4,17 @@ no_grad forward between a forward and its backward, and a backward that raises (
 changed between forward and backward) followed by more training. Each beside plain PyTorch, then
 3 AdamW steps, compared bit for bit (parameters, buffers, gradients). HF Qwen2ForCausalLM with
 its embedding tied to its head (a parameter with two uses a forward) and timm regnetx_002 (batch
-norms); "liveness" and "superneurons" halfway from the state="host" floor to the liveness peak.
-Planner and runtime of whichever tree is on PYTHONPATH.
+norms); with --models, also HF GPTNeoForCausalLM (tied, global and local attention, dropout)
+and timm ese_vovnet19b_dw (concatenations, depthwise convolutions, batch norms); "liveness" and
+"superneurons" halfway from the state="host" floor to the liveness peak. Planner and runtime of
+whichever tree is on PYTHONPATH.
 
     PYTHONPATH=TREE:benchmarks python benchmarks/newcomers_state_backwards.py OUT_DIR
-        (writes OUT_DIR/newcomers_state_backwards.json)
+        [--models qwen2 regnetx_002 gpt_neo ese_vovnet19b_dw] [--tag NAME]
+        (writes OUT_DIR/newcomers_state_backwards[_NAME].json)
 """
 
+import argparse
 import copy
 import os
 import sys
@@ -39,21 +43,45 @@ def _qwen2():
     return transformers.Qwen2ForCausalLM(config).train(), call, corrupt, inputs(0)
 
 
-def _regnet():
-    import timm
+def _gpt_neo():
+    import transformers
+    config = transformers.GPTNeoConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                                       attention_types=[[["global", "local"], 1]], window_size=8,
+                                       max_position_embeddings=64)
 
-    def batch(seed):
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+    def inputs(seed):
+        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+        return (), dict(input_ids=ids, labels=ids, use_cache=False)
 
     def call(run, seed):
-        x, y = batch(seed)
-        return nn.functional.cross_entropy(run(x), y)
+        args, kwargs = inputs(seed)
+        return run(*args, **kwargs).loss
 
     def corrupt(model):
-        model.stem.conv.weight.add_(0.5)
-    return timm.create_model("regnetx_002", num_classes=10).train(), call, corrupt, \
-        ((batch(0)[0],), {})
+        model.transformer.h[0].attn.attention.q_proj.weight.add_(0.5)
+    return transformers.GPTNeoForCausalLM(config).train(), call, corrupt, inputs(0)
+
+
+def _timm_classifier(name: str, first_weight):
+    """A timm classifier at batch 4 of 32 px; ``first_weight`` (the model) is read by the
+    last backward layer, so that the layers after it have sent their gradients when it raises."""
+    def build():
+        import timm
+
+        def batch(seed):
+            g = torch.Generator().manual_seed(seed)
+            return torch.randn(4, 3, 32, 32, generator=g), \
+                torch.randint(0, 10, (4,), generator=g)
+
+        def call(run, seed):
+            x, y = batch(seed)
+            return nn.functional.cross_entropy(run(x), y)
+
+        def corrupt(model):
+            first_weight(model).add_(0.5)
+        return timm.create_model(name, num_classes=10).train(), call, corrupt, \
+            ((batch(0)[0],), {})
+    return build
 
 
 def _two_forwards_one_loss(run, module, call, corrupt):
@@ -122,17 +150,32 @@ def row(name, build, policy, pattern) -> dict:
             stats.state_moved_bytes}
 
 
+MODELS = {"qwen2": _qwen2,
+          "regnetx_002": _timm_classifier("regnetx_002", lambda m: m.stem.conv.weight),
+          "gpt_neo": _gpt_neo,
+          "ese_vovnet19b_dw": _timm_classifier("ese_vovnet19b_dw",
+                                               lambda m: m.stem[0].conv.weight)}
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        default=["qwen2", "regnetx_002"])
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write
     rows = []
-    for name, build in (("qwen2", _qwen2), ("regnetx_002", _regnet)):
+    for name in args.models:
         for policy in ("liveness", "superneurons"):
             for pattern in PATTERNS:
-                rows.append(row(name, build, policy, pattern))
+                rows.append(row(name, MODELS[name], policy, pattern))
                 print(rows[-1], flush=True)
-    write(os.path.join(sys.argv[1], "newcomers_state_backwards.json"),
-          {"command": "python benchmarks/newcomers_state_backwards.py OUT", "rows": rows})
+    name = "newcomers_state_backwards" + (f"_{args.tag}" if args.tag else "") + ".json"
+    write(os.path.join(args.out, name),
+          {"command": "python benchmarks/newcomers_state_backwards.py " + " ".join(sys.argv[1:]),
+           "rows": rows})
 
 
 if __name__ == "__main__":
