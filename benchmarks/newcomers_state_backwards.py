@@ -23,43 +23,27 @@ import torch
 from torch import nn
 
 
-def _qwen2():
-    import transformers
-    config = transformers.Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=True)
+def _hf_decoder(model_class: str, config_class: str, first_weight, **config):
+    """An HF causal LM of vocabulary 128 on 2 sequences of 24 tokens, its loss from labels;
+    ``first_weight`` (the model) is read by the first block's backward, after the head's."""
+    def build():
+        import transformers
+        model = getattr(transformers, model_class)(
+            getattr(transformers, config_class)(vocab_size=128, max_position_embeddings=64,
+                                                **config))
 
-    def inputs(seed):
-        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
-        return (), dict(input_ids=ids, labels=ids, use_cache=False)
+        def inputs(seed):
+            ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
+            return (), dict(input_ids=ids, labels=ids, use_cache=False)
 
-    def call(run, seed):
-        args, kwargs = inputs(seed)
-        return run(*args, **kwargs).loss
+        def call(run, seed):
+            args, kwargs = inputs(seed)
+            return run(*args, **kwargs).loss
 
-    def corrupt(model):             # read by the first block's backward, after the head's
-        model.model.layers[0].self_attn.q_proj.weight.add_(0.5)
-    return transformers.Qwen2ForCausalLM(config).train(), call, corrupt, inputs(0)
-
-
-def _gpt_neo():
-    import transformers
-    config = transformers.GPTNeoConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
-                                       attention_types=[[["global", "local"], 1]], window_size=8,
-                                       max_position_embeddings=64)
-
-    def inputs(seed):
-        ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(seed))
-        return (), dict(input_ids=ids, labels=ids, use_cache=False)
-
-    def call(run, seed):
-        args, kwargs = inputs(seed)
-        return run(*args, **kwargs).loss
-
-    def corrupt(model):
-        model.transformer.h[0].attn.attention.q_proj.weight.add_(0.5)
-    return transformers.GPTNeoForCausalLM(config).train(), call, corrupt, inputs(0)
+        def corrupt(model):
+            first_weight(model).add_(0.5)
+        return model.train(), call, corrupt, inputs(0)
+    return build
 
 
 def _timm_classifier(name: str, first_weight):
@@ -150,9 +134,16 @@ def row(name, build, policy, pattern) -> dict:
             stats.state_moved_bytes}
 
 
-MODELS = {"qwen2": _qwen2,
+MODELS = {"qwen2": _hf_decoder("Qwen2ForCausalLM", "Qwen2Config",
+                             lambda m: m.model.layers[0].self_attn.q_proj.weight,
+                             hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True),
           "regnetx_002": _timm_classifier("regnetx_002", lambda m: m.stem.conv.weight),
-          "gpt_neo": _gpt_neo,
+          "gpt_neo": _hf_decoder("GPTNeoForCausalLM", "GPTNeoConfig",
+                                 lambda m: m.transformer.h[0].attn.attention.q_proj.weight,
+                                 hidden_size=32, num_layers=2, num_heads=4, window_size=8,
+                                 attention_types=[[["global", "local"], 1]]),
           "ese_vovnet19b_dw": _timm_classifier("ese_vovnet19b_dw",
                                                lambda m: m.stem[0].conv.weight)}
 
