@@ -11,7 +11,7 @@ where the managed step spends its host time (cProfile, superneurons' own functio
 own time).
 
     python benchmarks/step_host_time.py OUT_DIR [--tag NAME] [--profile]
-        [--network resnet|gpt2] [--bf16]
+        [--network resnet|densenet|gpt2] [--bf16]
         (CPU; writes OUT_DIR/step_host_time[_NAME].json)
 """
 
@@ -70,9 +70,20 @@ def tiny_gpt2() -> nn.Module:
     return gpt2(layers=12, width=32, heads=2, positions=64, vocab=128)
 
 
+def narrow_densenet121() -> nn.Module:
+    """torchvision's DenseNet-121 graph (its 121 layers, concatenations and transitions) at a
+    growth rate of 4 from 8 channels: its layers cost the host what DenseNet-121's do."""
+    from torchvision.models.densenet import DenseNet
+    return DenseNet(growth_rate=4, block_config=(6, 12, 24, 16), num_init_features=8,
+                    bn_size=2, num_classes=10)
+
+
 NETWORKS = {  # name: (the model, its batch, its loss from the model and the batch)
     "resnet": (narrow_resnet50, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))),
                lambda model, x, y: F.cross_entropy(model(x), y)),
+    "densenet": (narrow_densenet121,
+                 lambda: (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))),
+                 lambda model, x, y: F.cross_entropy(model(x), y)),
     "gpt2": (tiny_gpt2, lambda: (torch.randint(0, 128, (2, 64)),) * 2,
              lambda model, x, y: model(input_ids=x, labels=y, use_cache=False).loss),
 }
@@ -100,7 +111,7 @@ def measure(network: str, policy: str, toward_liveness: float, profile: bool,
     import superneurons as sn
     build, batch, loss_of = NETWORKS[network]
     x, y = batch()
-    example, kwargs = (x, None) if network == "resnet" else \
+    example, kwargs = (x, None) if network != "gpt2" else \
         ((), {"input_ids": x, "labels": y, "use_cache": False})
     torch.manual_seed(0)
     plain = trainer(build().train(), x, y, loss_of, autocast)
@@ -166,6 +177,8 @@ def main():
         "command": " ".join(["python", "benchmarks/step_host_time.py"] + sys.argv[1:]),
         "environment": environment(), "cpu_count": os.cpu_count(),
         "network": {"resnet": "ResNet-50 shape, 16x narrower; batch 4, 16 px",
+                    "densenet": "DenseNet-121 graph, growth 4 from 8 channels; batch 2, "
+                                "32 px",
                     "gpt2": "GPT-2 small's 12 blocks at width 32, 2 heads; batch 2 of 64 "
                             "tokens, labels given"}[args.network] + "; one thread",
         "rounds": ROUNDS, "steps_per_round": STEPS, "rows": rows})

@@ -135,6 +135,7 @@ class Executor(RoomKeeping, SavedTensors):
     def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
                  model=None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
+        self.cuda = device.type == "cuda"     # read per layer and per saved tensor
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
@@ -484,6 +485,8 @@ class Executor(RoomKeeping, SavedTensors):
             [l.module for l in layers if l.module is not None]
         free_after = self.segment_free_after[segment.index]
         kind, enabled, dtype = record.autocast
+        # the values a checkpoint layer after the segment reads (ValueRef): few layers make one
+        wanted_values = {key[1] for key in wanted if key[0] == "value"}
         self.replaying = (record, wanted)
         try:
             with torch.enable_grad(), restored_buffers(modules, self.stand_ins), \
@@ -497,10 +500,12 @@ class Executor(RoomKeeping, SavedTensors):
                     env[layer.node] = out
                     if self.tier is not None:
                         self.tier.end_layer(layer.node, out)
-                    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                    for tensor, value in zip(outputs, layer.outputs):
-                        if ("value", value) in wanted:
-                            record.cache["value", value] = tensor.detach()
+                    if not wanted_values.isdisjoint(layer.outputs):
+                        outputs = [t for t in pytree.tree_leaves(out)
+                                   if isinstance(t, torch.Tensor)]
+                        for tensor, value in zip(outputs, layer.outputs):
+                            if value in wanted_values:
+                                record.cache["value", value] = tensor.detach()
                     args = kwargs = inputs = out = outputs = tensor = None   # as in forward
                     for node in free_after[position]:
                         if node not in record.inputs:

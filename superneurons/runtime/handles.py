@@ -47,6 +47,15 @@ class Written:
         if not keeps_bytes:
             self.forget_bytes()
 
+    @classmethod
+    def kept(cls, tensor: torch.Tensor) -> "Written":
+        """The check of a tensor the holder keeps as it is for good (model state): the tensor
+        is its own alias, with no alias made at every save; its bytes are never let go
+        (forget_bytes would empty the tensor itself)."""
+        written = cls.__new__(cls)
+        written.alias, written.version = tensor, tensor._version
+        return written
+
     def forget_bytes(self) -> None:
         """Keep the version counter, not the bytes; a write since the save stays counted."""
         alias = self.alias

@@ -26,11 +26,13 @@ class SavedTensors:
         self.counter += 1
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.param_ptrs:
-            return [tensor, Written(tensor)]                         # Rule 3 (and 7)
+            return [tensor, Written.kept(tensor)]                    # Rule 3 (and 7)
         if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
             return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
-        if tensor.device.type != self.device.type:
-            return tensor     # a kernel's host-side scalars (attention's random seed and offset)
+        # a kernel's host-side scalars (attention's random seed and offset) stay as they are;
+        # is_cuda first: reading a tensor's device makes an object, at every save
+        if tensor.is_cuda is not self.cuda and tensor.device.type != self.device.type:
+            return tensor
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
                            Written(tensor, keeps_bytes=False))

@@ -1,0 +1,31 @@
+"""benchmarks/ratio_steps.py: the collector's passes it records per step, and its summary."""
+
+import gc
+import os
+import sys
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+from ratio_steps import Collections, steady_summary  # noqa: E402
+
+
+def test_a_full_collection_is_recorded_with_its_generation_and_time():
+    collections = Collections()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        collections.close()
+    generations = [generation for generation, _ in collections.seen]
+    assert generations == [2, 0]
+    assert all(seconds >= 0 for _, seconds in collections.seen)
+    gc.collect()
+    assert len(collections.seen) == 2        # closed: no longer recording
+
+
+def test_the_summary_leaves_out_the_first_third_of_the_steps_as_is_but_none_frozen():
+    rows = [{"frozen": False, "step_s": s} for s in (9.0, 5.0, 1.0, 1.0, 2.0, 3.0)] + \
+        [{"frozen": True, "step_s": s} for s in (4.0, 2.0)]
+    summary = steady_summary(rows, 6)
+    assert summary["as is"] == {"median_step_s": 1.5, "mean_step_s": 1.75, "max_step_s": 3.0}
+    assert summary["frozen"] == {"median_step_s": 3.0, "mean_step_s": 3.0, "max_step_s": 4.0}
