@@ -39,17 +39,19 @@ class Collections:
             self.seen.append((info["generation"], time.perf_counter() - self._began))
 
 
-def steady_summary(rows: list, steps: int) -> dict:
-    """Median, mean and longest step as is and after the freeze; as is, without the first third
-    of ``steps``, which capture, calibrate and try plans (module Rule 10)."""
+def steady_summary(rows: list) -> dict:
+    """Median, mean and longest step as is and after the freeze, of the steps that neither
+    calibrated nor tried plans (executor Rule 4, module Rule 10), the first (capture) left out."""
     summary = {}
     for frozen in (False, True):
-        steady = [r["step_s"] for r in rows if r["frozen"] is frozen][
-            0 if frozen else steps // 3:]
+        steady = [r["step_s"] for index, r in enumerate(rows)
+                  if r["frozen"] is frozen and index and not r.get("calibrating")
+                  and not r.get("trying")]
         if steady:
             summary["frozen" if frozen else "as is"] = {
                 "median_step_s": statistics.median(steady),
-                "mean_step_s": statistics.mean(steady), "max_step_s": max(steady)}
+                "mean_step_s": statistics.mean(steady), "max_step_s": max(steady),
+                "steps": len(steady)}
     return summary
 
 
@@ -101,7 +103,7 @@ def main():
     for _ in range(args.frozen):
         timed(True)
     collections.close()
-    summary = steady_summary(rows, args.steps)
+    summary = steady_summary(rows)
     print(args.config, summary)
     write(os.path.join(args.out, f"ratio_steps_{args.config.replace(':', '_')}.json"), {
         "command": " ".join(["python", "benchmarks/ratio_steps.py"] + sys.argv[1:]),
