@@ -120,6 +120,7 @@ def workspaces_end(fit) -> None:
 def test_the_message_says_what_budget_leaves_the_allocator_its_overhead():
     text = said("cuda:0", 3, int(11.5 * GiB), 12 * GiB, 11 * GiB, 12 * GiB)
     assert "limit of 12.00 GiB 3 time(s)" in text
+    assert "waiting for the device each time, which slows the step" in text
     assert "reserved 12.00 GiB for 11.00 GiB allocated" in text
     assert "lower the budget to 11.00 GiB or less" in text
     # the overhead fits between budget and limit: the room went to memory beside the plan
