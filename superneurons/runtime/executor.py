@@ -135,7 +135,7 @@ class Executor(RoomKeeping, SavedTensors):
     def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
                  model=None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
-        self.cuda = device.type == "cuda"     # read per layer and per saved tensor
+        self.cuda = device.type == "cuda"     # read per saved tensor
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign

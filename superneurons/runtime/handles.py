@@ -47,15 +47,6 @@ class Written:
         if not keeps_bytes:
             self.forget_bytes()
 
-    @classmethod
-    def kept(cls, tensor: torch.Tensor) -> "Written":
-        """The check of a tensor the holder keeps as it is for good (model state): the tensor
-        is its own alias, with no alias made at every save; its bytes are never let go
-        (forget_bytes would empty the tensor itself)."""
-        written = cls.__new__(cls)
-        written.alias, written.version = tensor, tensor._version
-        return written
-
     def forget_bytes(self) -> None:
         """Keep the version counter, not the bytes; a write since the save stays counted."""
         alias = self.alias
@@ -72,6 +63,19 @@ class Written:
                 "backward, or a write to a returned output), as plain PyTorch would refuse too, "
                 "unless the tensor is logits a superneurons-sliced cross-entropy keeps: wrap "
                 "with slice_loss=False then.")
+
+
+class StateWritten(Written):
+    """The check of model state saved as it is (executor Rule 3): the tensor is its own alias,
+    with no alias made at every save, and its bytes are the model's, never let go."""
+
+    __slots__ = ()
+
+    def __init__(self, tensor: torch.Tensor):
+        self.alias, self.version = tensor, tensor._version
+
+    def forget_bytes(self) -> None:
+        """Nothing to let go: emptying the alias would empty the model's own tensor."""
 
 
 class PoolRef:

@@ -8,7 +8,7 @@ from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
 from .calibration import allocated_bytes
-from .handles import PoolRef, SlotRef, ValueRef, Written, view_of
+from .handles import PoolRef, SlotRef, StateWritten, ValueRef, Written, view_of
 from .near_limit import bring_back_out_of_memory
 from .state import StateRef
 from .workspaces import FitOutOfMemory
@@ -26,12 +26,12 @@ class SavedTensors:
         self.counter += 1
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.param_ptrs:
-            return [tensor, Written.kept(tensor)]                    # Rule 3 (and 7)
+            return [tensor, StateWritten(tensor)]                    # Rule 3 (and 7)
         if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
             return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
         # a kernel's host-side scalars (attention's random seed and offset) stay as they are;
-        # is_cuda first: reading a tensor's device makes an object, at every save
-        if tensor.is_cuda is not self.cuda and tensor.device.type != self.device.type:
+        # on CUDA told by is_cuda: reading a tensor's device makes an object, at every save
+        if (not tensor.is_cuda) if self.cuda else tensor.device.type != self.device.type:
             return tensor
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
