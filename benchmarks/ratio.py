@@ -11,7 +11,8 @@ system inherits another's allocator state.
 Writes OUT_DIR/ratio_<model>_<dtype>.json, rewritten after each measurement (a run stopped by a
 time limit keeps what it measured), and OUT_DIR/ratio_<model>.png with --plot. A capped system
 runs under torch.cuda.set_per_process_memory_fraction(cap); superneurons gets the cap less
-CAP_HEADROOM as its budget (cuDNN's workspaces take what the cap leaves: BENCHMARKS.md).
+CAP_HEADROOM as its budget (cuDNN's workspaces take what the cap leaves: BENCHMARKS.md), or less
+the share RATIO_HEADROOM names in the environment.
 
 Plain PyTorch runs first for every model and dtype, one process at a time: its peak sets the
 caps. Then every capped row, and plain once more as a control, run ``--workers`` processes at a
@@ -50,6 +51,10 @@ STRICT_BUDGET = "RATIO_STRICT_BUDGET"  # environment: "1" wraps with strict_budg
 # environment: the allocator's cap times this number while superneurons' budget stays the cap's
 # (a diagnosis: what the allocator's retries at the cap cost a plan that is not changed)
 CAP_SLACK = "RATIO_CAP_SLACK"
+# environment: the share of the cap left beside superneurons' budget, instead of CAP_HEADROOM
+# (what a budget that leaves the allocator room for its free blocks costs the plan, where they
+# made it retry at the cap)
+HEADROOM = "RATIO_HEADROOM"
 CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits in it
 # untimed first steps: every system's first two (compilation, capture, pinning), the first
 # steps in which superneurons calibrates (executor Rule 4 reads the allocator at every layer,
@@ -127,7 +132,7 @@ def prepare(name: str, dtype: str, system: str, ratio, plain_peak, device):
     model, args, kwargs, loss_of = build(name, system, device)
     run = model
     if system == "superneurons":
-        run = sn.wrap(model, policy="superneurons", budget=int(cap * (1 - CAP_HEADROOM)),
+        run = sn.wrap(model, policy="superneurons", budget=superneurons_budget(cap),
                       slice_loss=os.environ.get(SLICE_LOSS) != "0",
                       strict_budget=os.environ.get(STRICT_BUDGET) == "1")
     elif system == "compile":
@@ -146,6 +151,11 @@ def prepare(name: str, dtype: str, system: str, ratio, plain_peak, device):
         loss.backward()
         optimizer.step()
     return run, step, cap, (args, kwargs)
+
+
+def superneurons_budget(cap: int) -> int:
+    """superneurons' budget under a cap of ``cap`` bytes: the cap less its headroom."""
+    return int(cap * (1 - float(os.environ.get(HEADROOM, CAP_HEADROOM))))
 
 
 def recorded_plain_peak(name: str, dtype: str) -> int:

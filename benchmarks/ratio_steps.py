@@ -5,7 +5,8 @@ again after gc.freeze(), which leaves the collector only the objects made after 
 
     python benchmarks/ratio_steps.py OUT_DIR MODEL:DTYPE:RATIO [--steps 20] [--frozen 12]
         (RATIO 0: plain PyTorch, uncapped; RATIO_CAP_SLACK=1.15 in the environment gives the
-        allocator 15% more than the cap, the budget unchanged, as ratio.py does)
+        allocator 15% more than the cap, the budget unchanged, and RATIO_HEADROOM=0.15 leaves
+        15% of the cap beside the budget, as ratio.py does)
 
 A step whose host time is close to its device time was held by the host: its Python, or a wait
 for the device inside it (an allocator retry frees the cache behind a synchronization). Writes
@@ -66,7 +67,7 @@ def main():
     sys.path.insert(0, HERE)
     import torch
     from common import calibration_of, environment, torch_settings, write
-    from ratio import CAP_SLACK, prepare, recorded_plain_peak
+    from ratio import CAP_SLACK, prepare, recorded_plain_peak, superneurons_budget
     torch_settings()
     name, dtype, ratio = args.config.split(":")
     system = "superneurons" if float(ratio) else "plain"
@@ -108,7 +109,8 @@ def main():
     write(os.path.join(args.out, f"ratio_steps_{args.config.replace(':', '_')}.json"), {
         "command": " ".join(["python", "benchmarks/ratio_steps.py"] + sys.argv[1:]),
         "environment": environment(), "cap_slack": float(os.environ.get(CAP_SLACK, "1")),
-        "cap_bytes": cap, "summary": summary, "rows": rows})
+        "cap_bytes": cap, "budget_bytes": superneurons_budget(cap) if cap else None,
+        "summary": summary, "rows": rows})
 
 
 if __name__ == "__main__":

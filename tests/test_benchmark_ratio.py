@@ -136,3 +136,11 @@ def test_steps_are_timed_after_the_warm_up_the_calibration_and_the_trial():
     # plans tried on the machine (module Rule 10) are not the one kept: untimed to the last
     trying = [False, False, False, True, False, False]
     assert ratio.after_warm_up(seconds, [True] * 3 + [False] * 3, trying) == seconds[4:]
+
+
+def test_the_budget_leaves_the_headroom_the_environment_names(monkeypatch):
+    cap = 12 * 2**30
+    monkeypatch.delenv(ratio.HEADROOM, raising=False)
+    assert ratio.superneurons_budget(cap) == int(cap * (1 - ratio.CAP_HEADROOM))   # 11.5 GiB
+    monkeypatch.setenv(ratio.HEADROOM, "0.15")
+    assert ratio.superneurons_budget(cap) == int(cap * 0.85)
