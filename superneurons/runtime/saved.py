@@ -31,7 +31,8 @@ class SavedTensors:
             return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
         # a kernel's host-side scalars (attention's random seed and offset) stay as they are;
         # on CUDA told by is_cuda: reading a tensor's device makes an object, at every save
-        if (not tensor.is_cuda) if self.cuda else tensor.device.type != self.device.type:
+        elsewhere = not tensor.is_cuda if self.cuda else tensor.device.type != self.device.type
+        if elsewhere:
             return tensor
         if self.segment is not None:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
