@@ -135,7 +135,7 @@ class Executor(RoomKeeping, SavedTensors):
     def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
                  model=None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
-        self.cuda = device.type == "cuda"     # read per saved tensor
+        self.cuda = device.type == "cuda"
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows
         self.count_foreign = count_foreign
@@ -296,9 +296,9 @@ class Executor(RoomKeeping, SavedTensors):
         self.records, self.pending, self.awaiting, self.holders = {}, [], {}, {}
         self.backward_step = None      # step numbers repeat every training step
         self.autocast = capture_autocast(self.device)
-        if self.device.type == "cuda" and self.reads_allocator is None:
+        if self.cuda and self.reads_allocator is None:
             self.reads_allocator = allocator_counts(tensors)
-        if self.device.type == "cuda" and self.reads_allocator:
+        if self.cuda and self.reads_allocator:
             # resident copies are none here: begin_step above dropped any left (state Rule 7)
             self.foreign_bytes = foreign if foreign is not None else foreign_bytes(
                 self.graph, tensors, self.device, self.parameters,

@@ -111,7 +111,7 @@ class RoomKeeping:
         step = min(max(step, 0), last_step)
         until = step if until is None else min(max(until, step), last_step)
         outside = self.unmanaged_max(step, until)
-        if self.device.type == "cuda":
+        if self.cuda:
             outside = self.calibration.outside(outside)
             if self.calibrating:
                 ours = self.calibration.read() - self.pool.exact_device_bytes - \
@@ -181,7 +181,7 @@ class RoomKeeping:
         Rule 8), and their range minimum."""
         key = self.calibration.excess_bytes
         if self.forward_rooms is None or self.forward_rooms[0] != key:
-            cuda = self.device.type == "cuda"
+            cuda = self.cuda
             next_rooms = []
             for position in range(self.num_layers):
                 outside = self.unmanaged_max(position, position + 1)

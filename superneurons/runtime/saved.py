@@ -81,7 +81,7 @@ class SavedTensors:
         """Rule 5's clear error, with what the plan counts at the step and the device held."""
         step = min(self.backward_step or 0, len(self.plan.steps) - 1)
         held = None
-        if self.device.type == "cuda" and self.reads_allocator:
+        if self.cuda and self.reads_allocator:
             held = allocated_bytes(self.device), torch.cuda.memory_reserved(self.device)
         return bring_back_out_of_memory(
             self.plan.policy, self.budget_bytes, self.plan.steps[step].live_bytes,
