@@ -67,7 +67,7 @@ def main():
     sys.path.insert(0, HERE)
     import torch
     from common import calibration_of, environment, torch_settings, write
-    from ratio import CAP_SLACK, prepare, recorded_plain_peak, superneurons_budget
+    from ratio import CAP_SLACK, HEADROOM, prepare, recorded_plain_peak, superneurons_budget
     torch_settings()
     name, dtype, ratio = args.config.split(":")
     system = "superneurons" if float(ratio) else "plain"
@@ -109,6 +109,7 @@ def main():
     write(os.path.join(args.out, f"ratio_steps_{args.config.replace(':', '_')}.json"), {
         "command": " ".join(["python", "benchmarks/ratio_steps.py"] + sys.argv[1:]),
         "environment": environment(), "cap_slack": float(os.environ.get(CAP_SLACK, "1")),
+        "headroom": os.environ.get(HEADROOM),
         "cap_bytes": cap, "budget_bytes": superneurons_budget(cap) if cap else None,
         "summary": summary, "rows": rows})
 
