@@ -111,7 +111,8 @@ def main():
         "environment": environment(), "cap_slack": float(os.environ.get(CAP_SLACK, "1")),
         "headroom": os.environ.get(HEADROOM),
         "cap_bytes": cap, "budget_bytes": superneurons_budget(cap) if cap else None,
-        "summary": summary, "rows": rows})
+        "summary": summary, "rows": rows,
+        "plan_trials": run.plan_trials if system == "superneurons" else None})
 
 
 if __name__ == "__main__":

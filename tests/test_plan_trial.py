@@ -15,7 +15,8 @@ from superneurons.planner.costs import OFF_CUDA
 from superneurons.planner.trim import replay_work
 from superneurons.runtime import executor as executor_module
 from superneurons.runtime.calibration import Calibration
-from superneurons.runtime.trial import MAX_TRIED, TIMED_STEPS, PlanTrials
+from superneurons.runtime.trial import MAX_TRIED, ROOM_SHARES, TIMED_STEPS, Candidate, \
+    PlanTrials, others_within, replays
 
 
 def fake_plan(replayed: int, layers: tuple):
@@ -53,16 +54,18 @@ def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=T
     """Steps of one call key, whose executor is named ``planned[1]``; returns the names of the
     executor of each step and of those dropped."""
     made = {}
+    candidates = [c if isinstance(c, Candidate) else Candidate(c) for c in others]
 
-    def make(plan, _):
-        return made.setdefault(plan.tag, Named(f"executor of {plan.tag}"))
+    def make(candidate, _):
+        tag = candidate.plan.tag
+        return made.setdefault(tag, Named(f"executor of {tag}"))
     dropped, ran = [], []
     planned = (planned[0], Named(planned[1]))
     for step in range(steps):
         planned = trials.step("key", planned, torch.device("cpu"), lambda e: True,
-                              lambda p, e: (others, running_fits), make,
+                              lambda p, e: (candidates, running_fits), make,
                               lambda e: dropped.append(e.name),
-                              lambda: step in in_flight_at, lambda p: fits(step, p))
+                              lambda: step in in_flight_at, lambda c: fits(step, c.plan))
         clock.running = planned[1].name
         ran.append(planned[1].name)
     return ran, dropped
@@ -258,3 +261,103 @@ def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
     kept = wrapped._last[1]
     closed = [e for e in executors if e is not kept]
     assert closed and all(not e.pool.entries for e in closed)
+
+
+def test_a_plan_that_leaves_the_allocator_room_is_tried_whatever_it_replays():
+    """Rule 7: a candidate giving bytes to the allocator runs after MAX_TRIED others, though it
+    replays what the running plan does, and the record says what it gave."""
+    chosen = tagged(fake_plan(10, (1, 2)), "a")
+    b, c = tagged(fake_plan(12, (1, 2, 3)), "b"), tagged(fake_plan(14, (0, 1, 2, 3)), "c")
+    lower = tagged(fake_plan(10, (1, 2)), "lower")
+    clock = FakeClock({"chosen": 1.0, "executor of b": 2.0, "executor of c": 1.5,
+                       "executor of lower": 0.5})
+    trials = PlanTrials(clock)
+    ran, dropped = drive(trials, clock, (chosen, "chosen"), [b, c, Candidate(lower, 100)], 20)
+    trial_steps = (TIMED_STEPS + 1) + 3 * (TIMED_STEPS + 2)
+    assert ran[trial_steps - (TIMED_STEPS + 2):] == ["executor of lower"] * (
+        20 - trial_steps + TIMED_STEPS + 2)
+    assert sorted(dropped) == ["chosen", "executor of b", "executor of c"]
+    record, = trials.records
+    assert [p["gives_bytes"] for p in record["plans"]] == [0, 0, 0, 100] and record["kept"] == 3
+
+
+def planned_resnet(height: int, share: float):
+    """A resnet18 graph planned on the meta device, and a budget ``share`` of the way from the
+    superneurons floor to liveness's peak."""
+    with torch.device("meta"):
+        model = torchvision.models.resnet18(num_classes=10)
+    graph = sn.plan(model, torch.empty(32, 3, height, height, device="meta"),
+                    policy="liveness").graph
+    floor = plan_graph(graph, "superneurons", machine=OFF_CUDA).peak_bytes
+    peak = plan_graph(graph, "liveness", machine=OFF_CUDA).peak_bytes
+    return graph, int(floor + (peak - floor) * share)
+
+
+def test_lower_budgets_are_planned_only_after_a_step_that_retried():
+    graph, budget = planned_resnet(128, 0.8)
+    chosen = plan_graph(graph, "superneurons", budget, machine=OFF_CUDA)
+    executor = SimpleNamespace(foreign_bytes=3 << 20,
+                               calibration=SimpleNamespace(excess_bytes=1 << 20))
+    calm, _ = others_within(chosen, executor, budget, "cost-aware", "device")
+    assert calm and not any(c.gives_bytes for c in calm)
+    after_retry, running_fits = others_within(chosen, executor, budget, "cost-aware", "device",
+                                              retried=True)
+    lower = [c for c in after_retry if c.gives_bytes]
+    assert [replays(c.plan) for c in after_retry[:len(calm)]] == \
+        [replays(c.plan) for c in calm] and running_fits
+    assert [c.gives_bytes for c in lower] == [int(budget * s) for s in ROOM_SHARES]
+    room = budget - (3 << 20) - (1 << 20)
+    for candidate in lower:      # within the lower budget beside the foreign and the excess
+        assert candidate.plan.peak_bytes <= room - candidate.gives_bytes
+        assert candidate.plan.budget_bytes == room - candidate.gives_bytes
+
+
+def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_it():
+    """Rule 7 on the CPU, where the allocator never retries: the step before the trial is said
+    to have retried, and the lower budget's steps are timed faster, so it is kept: exact, and
+    within the lower budget from then on."""
+    model, x, y = resnet_and_batch()
+    graph = sn.plan(model, x, policy="liveness").graph
+    floor = plan_graph(graph, "superneurons").peak_bytes
+    budget = floor + (plan_graph(graph, "liveness").peak_bytes - floor) * 4 // 5
+    wrapped = sn.wrap(copy.deepcopy(model), "superneurons", budget)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr("superneurons.runtime.module.retries_since_reset", lambda device: 1)
+    clock = SimpleNamespace(now=0.0, running=None)
+
+    def mark():            # a step within a lower budget takes half the time
+        if clock.running is not None:
+            clock.now += 0.5 if clock.running.budget_bytes < budget else 1.0
+        return clock.now
+    clock.mark, clock.seconds = mark, lambda start, end: end - start
+    wrapped._trials.clock = lambda device: clock
+    ran = []
+
+    def train(model_, steps, each=lambda: None):
+        optimizer, losses = torch.optim.SGD(model_.parameters(), lr=0.1, momentum=0.9), []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model_(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+            each()
+        return losses, [t.clone() for t in model_.state_dict().values()]
+
+    def each():
+        clock.running = wrapped._last[1]
+        ran.append(clock.running.budget_bytes)
+        assert wrapped.stats.peak_bytes <= clock.running.budget_bytes <= budget
+        assert wrapped.stats.budget_bytes == budget            # the caller's, as given
+    steps = 1 + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 2
+    try:
+        losses, after = train(wrapped, steps, each)
+    finally:
+        monkeypatch.undo()
+    plain = train(copy.deepcopy(model), steps)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
+    record, = wrapped.plan_trials
+    gave = [p["gives_bytes"] for p in record["plans"] if p["gives_bytes"]]
+    assert gave and record["plans"][record["kept"]]["gives_bytes"] in gave
+    assert ran[-1] == budget - record["plans"][record["kept"]]["gives_bytes"] < budget

@@ -57,7 +57,8 @@ Rule 9: a plan counts the caller's backward as starting from the model's loss wh
 Rule 10: once a managed plan's first steps are done (on CUDA, calibrated), the other plans that
         fit what the budget leaves beside the calibrated excess with nothing moved run a few
         steps each, and the fastest on the machine is kept, the running plan among them where
-        it too fits so (trial.py).
+        it too fits so (trial.py); where the step before made the caching allocator retry at
+        its limit, so do plans for lower budgets (trial.py Rule 7).
 """
 
 import itertools
@@ -93,7 +94,7 @@ from .state import check_state_tier, to_host_memory
 from .stats import StepStats, step_stats
 from .structure import Structure
 from .trial import PlanTrials, others_within, ready, tried_executor
-from .untouched import UntouchedWatch, reset_peak
+from .untouched import UntouchedWatch, reset_peak, retries_since_reset
 from .workspaces import end_stale
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
@@ -462,6 +463,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             self._device([t for t in pytree.tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor)])
         self._untouched.cancel()     # an earlier untouched step without a backward (Rule 2)
+        retried = retries_since_reset(device) > 0          # by the step before: trial Rule 7
         reset_peak(device)                                              # StepStats, Rule 2
         self._last = (plan, executor, device, made)
         if executor is None:
@@ -483,10 +485,12 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             budget = self.budget_bytes
             plan, executor = self._executors[key] = self._trials.step(
                 key, (plan, executor), device, ready,
-                lambda p, e: others_within(p, e, budget, self.strategy, self.state, foreign),
-                lambda p, e: tried_executor(p, e, budget, self.model), self._drop,
+                lambda p, e: others_within(p, e, budget, self.strategy, self.state, foreign,
+                                           retried),
+                lambda c, e: tried_executor(c, e, budget, self.model), self._drop,
                 self._in_flight,
-                lambda p: foreign is None or managed_holds(p, budget, foreign))  # trial Rule 6
+                lambda c: foreign is None or
+                managed_holds(c.plan, budget - c.gives_bytes, foreign))          # trial Rule 6
             made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6

@@ -25,10 +25,18 @@ Rule 5: the running plan was made before its calibration, with the first-step ma
 Rule 6: the plans tried are those that fit beside what the model does not own at the step the
         trial begins; a plan whose turn comes when that has grown past it (module Rule 3) is
         not run: the trial ends there with the plan then running.
+Rule 7: where the step before the trial made the caching allocator retry at its limit
+        (near_limit.py), plans for a budget lower by each of ROOM_SHARES are tried too, moving
+        data or not, their executors (and so their Tensor Caches) keeping to that budget: the
+        memory the allocator holds free beside the tensors then fits below its limit. The
+        running plan is timed beside them (Rule 5 holds only against plans that move
+        nothing). A retry waits for the device, so fewer of them can pay for the data a lower
+        budget moves, or not: the machine decides.
 """
 
 import time
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +52,18 @@ from .executor import Executor
 TIMED_STEPS = 2
 # plans tried beside the one chosen: each costs TIMED_STEPS + 2 steps
 MAX_TRIED = 2
+# Rule 7: shares of the budget left to the allocator. At a quarter of plain PyTorch's peak in
+# bf16, with a budget 4% below the allocator's limit, DenseNet-121 retried 3-7 times a step;
+# with 11% and 22% less budget it retried less and its steps took 14% and 20% less time,
+# while ResNet-50's, moving more, took 6% and 13% more (BENCHMARKS.md, "What a lower budget
+# gives the allocator")
+ROOM_SHARES = (0.1, 0.2)
+
+
+class Candidate(NamedTuple):
+    """A plan to try, and the bytes of the budget its executor leaves to the allocator."""
+    plan: object
+    gives_bytes: int = 0
 
 
 class Clock:
@@ -74,7 +94,7 @@ def replays(plan) -> tuple:
 
 class _Trial:
     def __init__(self, tried: list, clock, running_fits: bool = True):
-        self.tried = tried                    # [plan, executor or None until its turn]
+        self.tried = tried                    # [Candidate, executor or None until its turn]
         self.clock = clock
         # the plan of each step: the running one's steps (Rule 5: where it is a candidate),
         # then each other's with a first one
@@ -115,12 +135,12 @@ class PlanTrials:
     def step(self, key, planned, device, ready, others, make, drop, in_flight,
              fits=lambda plan: True):
         """The (plan, executor) to run now for ``key``, whose own is ``planned``. ``ready(e)``:
-        whether executor e's first steps are done; ``others(plan, e)``: (the plans to try
-        beside it, whether it is itself a candidate: Rule 5); ``make(plan, e)``: an executor
-        for a tried plan; ``drop(e)``: module Rule 5; ``in_flight()``: whether a step of the
-        wrapper is (asked only while a trial may run, not at every step of a settled plan);
-        ``fits(plan)``: whether a plan still fits beside what the model does not own now
-        (Rule 6)."""
+        whether executor e's first steps are done; ``others(plan, e)``: (the Candidates to try
+        beside it, whether it is itself one: Rule 5); ``make(candidate, e)``: an executor for a
+        tried one; ``drop(e)``: module Rule 5; ``in_flight()``: whether a step of the wrapper
+        is (asked only while a trial may run, not at every step of a settled plan);
+        ``fits(candidate)``: whether its plan still fits beside what the model does not own
+        now (Rule 6)."""
         self.trying = False
         plan, executor = planned
         trial = self.trials.get(key)
@@ -132,13 +152,16 @@ class PlanTrials:
             if (settled is not None and settled() is executor) or not ready(executor) or \
                     in_flight():
                 return planned
-            others_fitting, running_fits = others(plan, executor)
-            tried = [p for p in others_fitting if replays(p) != replays(plan)][:MAX_TRIED]
+            candidates, running_fits = others(plan, executor)
+            tried = [c for c in candidates if not c.gives_bytes and
+                     replays(c.plan) != replays(plan)][:MAX_TRIED] + \
+                [c for c in candidates if c.gives_bytes]                       # Rule 7
             if not tried:
                 self.settled[key] = weakref.ref(executor)
                 return planned
-            trial = self.trials[key] = _Trial([[plan, executor]] + [[p, None] for p in tried],
-                                              self.clock(device), running_fits)   # Rule 5
+            trial = self.trials[key] = _Trial(
+                [[Candidate(plan), executor]] + [[c, None] for c in tried],
+                self.clock(device), running_fits)                                 # Rule 5
         elif in_flight():                                                 # Rule 3
             return self._end(key, trial, trial.running(), drop)
         if len(trial.marks) == len(trial.schedule):
@@ -147,8 +170,9 @@ class PlanTrials:
             fastest = min(range(len(trial.tried)),
                           key=lambda i: min(seconds[i], default=float("inf")))
             self.records.append({
-                "plans": [{"replayed_layers": p.num_extra_computations,
-                           "step_seconds": s} for (p, _), s in zip(trial.tried, seconds)],
+                "plans": [{"replayed_layers": c.plan.num_extra_computations,
+                           "gives_bytes": c.gives_bytes, "step_seconds": s}
+                          for (c, _), s in zip(trial.tried, seconds)],
                 "kept": fastest})
             return self._end(key, trial, trial.tried[fastest][1], drop)
         index = trial.schedule[len(trial.marks)]
@@ -159,7 +183,7 @@ class PlanTrials:
             entry[1] = make(entry[0], trial.tried[0][1])
         self.trying = True
         trial.marks.append((index, trial.clock.mark()))
-        return tuple(entry)
+        return entry[0].plan, entry[1]
 
     def _end(self, key, trial, kept, drop, dropped=None):
         """Keep executor ``kept`` (None: the trial's plans were made again), drop the trial's
@@ -171,7 +195,8 @@ class PlanTrials:
         if kept is None:
             return None
         self.settled[key] = weakref.ref(kept)
-        return tuple(next(e for e in trial.tried if e[1] is kept))
+        candidate = next(c for c, e in trial.tried if e is kept)
+        return candidate.plan, kept
 
     def forget(self, key, drop, dropped) -> None:
         """``key``'s plans are dropped (module Rule 5): so are its trial's others."""
@@ -195,25 +220,41 @@ def ready(executor) -> bool:
 
 
 def others_within(plan, executor, budget_bytes: int, strategy, state: str,
-                  foreign=None) -> tuple:
-    """(the plans that fit what ``budget_bytes`` leaves beside the ``foreign`` bytes the model
-    does not own (read for this step; None: the executor's last reading) and the calibrated
-    excess (executor Rule 4) with nothing moved: the planner's choice there first, then the
-    others it found fitting (Plan.alternatives); whether ``plan`` fits so)."""
+                  foreign=None, retried: bool = False) -> tuple:
+    """(the Candidates to try beside ``plan``, whether it is itself one: Rule 5). Those that fit
+    what ``budget_bytes`` leaves beside the ``foreign`` bytes the model does not own (read for
+    this step; None: the executor's last reading) and the calibrated excess (executor Rule 4)
+    with nothing moved: the planner's choice there first, then the others it found fitting
+    (Plan.alternatives); where the last step ``retried`` at the allocator's limit, the
+    planner's choice in each lower budget of Rule 7."""
     held = executor.foreign_bytes if foreign is None else foreign
     room = budget_bytes - held - (executor.calibration.excess_bytes or 0)
+    fitting = [Candidate(p) for p in _plans_within(plan, room, strategy, state)
+               if p.moves_nothing_within(room)]
+    lower = []
+    for share in ROOM_SHARES if retried else ():
+        gives = int(budget_bytes * share)
+        lower += [Candidate(p, gives)
+                  for p in _plans_within(plan, room - gives, strategy, state)[:1]]
+    return fitting + lower, plan.moves_nothing_within(room) or not fitting
+
+
+def _plans_within(plan, room: int, strategy, state: str) -> list:
+    """The planner's choice for ``plan``'s graph and policy in ``room``, then its alternatives;
+    none where the policy's floor does not fit there."""
     if room <= 0:
-        return [], True
+        return []
     try:
         best = plan_graph(plan.graph, plan.policy, room, strategy, state, plan.costs.machine)
-    except ValueError:            # the policy's floor does not fit there: nothing to try
-        return [], True
-    return [p for p in (best, *best.alternatives) if p.moves_nothing_within(room)], \
-        plan.moves_nothing_within(room)
+    except ValueError:
+        return []
+    return [best, *best.alternatives]
 
 
-def tried_executor(plan, like, budget_bytes: int, model):
-    """An executor for a tried ``plan``, calibrated as ``like`` (Rule 2)."""
-    executor = Executor(plan, like.device, budget_bytes, model=model)
+def tried_executor(candidate: Candidate, like, budget_bytes: int, model):
+    """An executor for a tried ``candidate`` within the wrapper's ``budget_bytes``, calibrated
+    as ``like`` (Rule 2)."""
+    executor = Executor(candidate.plan, like.device, budget_bytes - candidate.gives_bytes,
+                        model=model)
     executor.calibration.adopt(like.calibration)
     return executor
