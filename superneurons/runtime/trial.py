@@ -54,9 +54,9 @@ TIMED_STEPS = 2
 MAX_TRIED = 2
 # Rule 7: shares of the budget left to the allocator. At a quarter of plain PyTorch's peak in
 # bf16, with a budget 4% below the allocator's limit, DenseNet-121 retried 3-7 times a step;
-# with 11% and 22% less budget it retried less and its steps took 14% and 20% less time,
-# while ResNet-50's, moving more, took 6% and 13% more (BENCHMARKS.md, "What a lower budget
-# gives the allocator")
+# with 11% and 22% less budget it retried 0-3 times and its steps took 14% and 20% less time,
+# while ResNet-50's, moving more, took 6% and 13% more with 6% and 11% less (BENCHMARKS.md,
+# "What a lower budget gives the allocator")
 ROOM_SHARES = (0.1, 0.2)
 
 
