@@ -507,7 +507,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             out = self._capped(device, lambda: executor.run(flat, foreign))      # Rule 8
         except torch.OutOfMemoryError as error:
             executor.release()
-            raise RuntimeError(managed_out_of_memory(plan.policy, executor.budget_bytes,
+            said = self.budget_bytes or executor.budget_bytes     # the caller's: trial Rule 7
+            raise RuntimeError(managed_out_of_memory(plan.policy, said,
                                                      self.strict_budget)) from error
         if self._says_passed(device):                           # untouched.py Rules 4, 5
             calibration = executor.calibration     # raised once: nothing more to tell it

@@ -133,7 +133,7 @@ class PlanTrials:
         self.trying = False                   # whether the last step was one of a trial
 
     def step(self, key, planned, device, ready, others, make, drop, in_flight,
-             fits=lambda plan: True):
+             fits=lambda candidate: True):
         """The (plan, executor) to run now for ``key``, whose own is ``planned``. ``ready(e)``:
         whether executor e's first steps are done; ``others(plan, e)``: (the Candidates to try
         beside it, whether it is itself one: Rule 5); ``make(candidate, e)``: an executor for a
