@@ -59,10 +59,17 @@ CHILD_SECONDS = 300                  # a cold torch.compile of DenseNet-121 fits
 # untimed first steps: every system's first two (compilation, capture, pinning), the first
 # steps in which superneurons calibrates (executor Rule 4 reads the allocator at every layer,
 # which a steady step does not: with them a median of 4 steps is a first step's), and its trial
-# of the plans that fit (module Rule 10: 11 steps of plans it may not keep). A calibration made
-# again later (after an out-of-memory retry) is a steady cost, and timed. At most
-# CALIBRATING_STEPS more are run.
-WARM_STEPS, CALIBRATING_STEPS = 2, 16
+# of plans it may not keep (module Rule 10). A calibration made again later (after an
+# out-of-memory retry) is a steady cost, and timed. At most spare_steps() more are run.
+WARM_STEPS = 2
+
+
+def spare_steps() -> int:
+    """The steps a superneurons row may run before its timed ones: its calibration (two steps
+    and one trusting it, executor Rule 4), a trial of the most plans (trial.py, Rule 7's
+    included), and 3 more for a calibration made again."""
+    from superneurons.runtime.trial import MAX_TRIED, ROOM_SHARES, TIMED_STEPS
+    return 3 + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 3
 
 
 def per_second(name: str, seconds: list) -> float:
@@ -216,7 +223,7 @@ def measure(name: str, dtype: str, system: str, ratio, plain_peak, steps: int) -
         return after_warm_up(seconds, [s.get("calibrating", False) for s in states],
                              [s.get("trying", False) for s in states])
     try:
-        for step in range(WARM_STEPS + CALIBRATING_STEPS + steps):
+        for step in range(WARM_STEPS + spare_steps() + steps):
             if len(timed()) >= steps:
                 break
             if step == 1:

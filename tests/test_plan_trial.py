@@ -50,9 +50,10 @@ class Named:
 
 
 def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=True,
-          fits=lambda step, plan: True):
+          fits=lambda step, plan: True, dropped_at=None):
     """Steps of one call key, whose executor is named ``planned[1]``; returns the names of the
-    executor of each step and of those dropped."""
+    executor of each step and of those dropped (in ``dropped_at``, where given: the step of
+    each drop)."""
     made = {}
     candidates = [c if isinstance(c, Candidate) else Candidate(c) for c in others]
 
@@ -64,7 +65,8 @@ def drive(trials, clock, planned, others, steps, in_flight_at=(), running_fits=T
     for step in range(steps):
         planned = trials.step("key", planned, torch.device("cpu"), lambda e: True,
                               lambda p, e: (candidates, running_fits), make,
-                              lambda e: dropped.append(e.name),
+                              lambda e: (dropped.append(e.name), dropped_at is not None
+                                         and dropped_at.append(step)),
                               lambda: step in in_flight_at, lambda c: fits(step, c.plan))
         clock.running = planned[1].name
         ran.append(planned[1].name)
@@ -272,11 +274,15 @@ def test_a_plan_that_leaves_the_allocator_room_is_tried_whatever_it_replays():
     clock = FakeClock({"chosen": 1.0, "executor of b": 2.0, "executor of c": 1.5,
                        "executor of lower": 0.5})
     trials = PlanTrials(clock)
-    ran, dropped = drive(trials, clock, (chosen, "chosen"), [b, c, Candidate(lower, 100)], 20)
+    at = []
+    ran, dropped = drive(trials, clock, (chosen, "chosen"), [b, c, Candidate(lower, 100)], 20,
+                         dropped_at=at)
     trial_steps = (TIMED_STEPS + 1) + 3 * (TIMED_STEPS + 2)
     assert ran[trial_steps - (TIMED_STEPS + 2):] == ["executor of lower"] * (
         20 - trial_steps + TIMED_STEPS + 2)
-    assert sorted(dropped) == ["chosen", "executor of b", "executor of c"]
+    # Rule 8: b and c, slower than the chosen plan, go as their turns end, not at the trial's
+    assert dropped == ["executor of b", "executor of c", "chosen"]
+    assert at == [ran.index("executor of c"), ran.index("executor of lower"), trial_steps]
     record, = trials.records
     assert [p["gives_bytes"] for p in record["plans"]] == [0, 0, 0, 100] and record["kept"] == 3
 
@@ -343,7 +349,9 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
     steps = first + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 2
     plain = train(copy.deepcopy(model), steps)
     wrapped = sn.wrap(model, "superneurons", budget)
-    monkeypatch.setattr("superneurons.runtime.module.retries_since_reset", lambda device: 1)
+    retries = [0]                 # the allocator's count, faked: one retry in the step before
+    monkeypatch.setattr("superneurons.runtime.untouched.allocator_retries",
+                        lambda device: retries[0])
     clock = SimpleNamespace(now=0.0, running=None)
 
     def mark():            # a step within a lower budget takes less time
@@ -358,7 +366,8 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
         clock.running = wrapped._last[1]
         ran.append(clock.running.budget_bytes)
         assert wrapped.stats.peak_bytes <= clock.running.budget_bytes <= budget
-        assert wrapped.stats.budget_bytes == budget            # the caller's, as given
+        assert wrapped.stats.budget_bytes == clock.running.callers_budget_bytes == budget
+        retries[0] += len(ran) == first          # the step before the trial's first
     losses, after = train(wrapped, steps, each)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
@@ -366,3 +375,24 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
     gave = [p["gives_bytes"] for p in record["plans"]]
     assert record["plans"][record["kept"]]["gives_bytes"] == max(gave) > 0
     assert ran[-1] == budget - max(gave)
+
+
+def test_a_retry_before_the_step_before_the_trial_tries_no_lower_budget(monkeypatch):
+    """Rule 7 reads the retries of the step before the trial only: one before that step (the
+    plan's first, on the CPU) tries none."""
+    model, x, y = resnet_and_batch()
+    graph = sn.plan(model, x, policy="liveness").graph
+    floor = plan_graph(graph, "superneurons").peak_bytes
+    budget = floor + (plan_graph(graph, "liveness").peak_bytes - floor) * 4 // 5
+    wrapped = sn.wrap(model, "superneurons", budget)
+    retries = [0]
+    monkeypatch.setattr("superneurons.runtime.untouched.allocator_retries",
+                        lambda device: retries[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):           # on the CPU the trial begins at the second step
+        optimizer.zero_grad()
+        retries[0] += step == 0     # before the first step's forward
+        F.cross_entropy(wrapped(x), y).backward()
+        optimizer.step()
+    trial, = wrapped._trials.trials.values()
+    assert len(trial.tried) > 1 and not any(c.gives_bytes for c, _ in trial.tried)

@@ -135,6 +135,9 @@ class Executor(RoomKeeping, SavedTensors):
     def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
                  model=None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
+        # the budget the caller gave, which messages name: a trial may keep an executor below
+        # it (trial.py Rule 7)
+        self.callers_budget_bytes = budget_bytes
         self.cuda = device.type == "cuda"
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows

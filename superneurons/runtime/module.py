@@ -243,7 +243,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
                          "optimizer's state or the untouched step's excess fills the budget)")
                 plans[key] = self._plan(key, plan.graph, device, foreign, untouched=False)
             plan, executor = plans[key]
-        if not managed_holds(plan, self.budget_bytes, foreign):                 # Rule 3
+        # Rule 3, within the executor's budget: a trial may keep one below the caller's
+        if not managed_holds(plan, executor.budget_bytes, foreign):
             log.info("%s on the device are not the model's: planning the step again within "
                      "what is left", format_bytes(foreign))
             try:   # with room for what is not the model's to creep (losses kept on the device)
@@ -507,9 +508,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             out = self._capped(device, lambda: executor.run(flat, foreign))      # Rule 8
         except torch.OutOfMemoryError as error:
             executor.release()
-            said = self.budget_bytes or executor.budget_bytes     # the caller's: trial Rule 7
-            raise RuntimeError(managed_out_of_memory(plan.policy, said,
-                                                     self.strict_budget)) from error
+            raise RuntimeError(managed_out_of_memory(
+                plan.policy, executor.callers_budget_bytes, self.strict_budget)) from error
         if self._says_passed(device):                           # untouched.py Rules 4, 5
             calibration = executor.calibration     # raised once: nothing more to tell it
             self._untouched.watch(key, out, device, None, self.budget_bytes,

@@ -84,7 +84,7 @@ class SavedTensors:
         if self.cuda and self.reads_allocator:
             held = allocated_bytes(self.device), torch.cuda.memory_reserved(self.device)
         return bring_back_out_of_memory(
-            self.plan.policy, self.budget_bytes, self.plan.steps[step].live_bytes,
+            self.plan.policy, self.callers_budget_bytes, self.plan.steps[step].live_bytes,
             self.foreign_bytes if self.count_foreign else 0, held, error)
 
     def _after_out_of_memory(self, error: torch.OutOfMemoryError, step: int,

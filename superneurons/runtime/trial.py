@@ -32,6 +32,10 @@ Rule 7: where the step before the trial made the caching allocator retry at its 
         running plan is timed beside them (Rule 5 holds only against plans that move
         nothing). A retry waits for the device, so fewer of them can pay for the data a lower
         budget moves, or not: the machine decides.
+Rule 8: when a plan's turn is over, every plan whose turn is over and whose fastest step was
+        slower than another's is dropped at once (module Rule 5), the running one among them:
+        Rule 7's plans move data, each through host memory of its own, which would otherwise
+        stay pinned until the trial ends.
 """
 
 import time
@@ -102,10 +106,21 @@ class _Trial:
         for index in range(1, len(tried)):
             self.schedule += [index] * (TIMED_STEPS + 2)
         self.marks: list = []                 # (plan index, mark) per step run
+        self.gone: set = set()                # indices of the plans dropped already (Rule 8)
 
     def running(self):
         return self.tried[self.schedule[len(self.marks) - 1]][1] if self.marks else \
             self.tried[0][1]
+
+    def drop_slower(self, drop) -> None:
+        """Rule 8, as a turn ends: drop the plans whose turn is over and that are slower."""
+        seconds = [min(s, default=float("inf")) for s in self.seconds()]
+        over = {index for index, _ in self.marks} - self.gone
+        fastest = min(seconds[i] for i in over)
+        for index in over:
+            if seconds[index] > fastest:
+                self.gone.add(index)
+                drop(self.tried[index][1])
 
     def holds(self, executor) -> bool:
         return any(executor is e for _, e in self.tried)
@@ -179,6 +194,8 @@ class PlanTrials:
         entry = trial.tried[index]
         if entry[1] is None and not fits(entry[0]):                      # Rule 6
             return self._end(key, trial, trial.running(), drop)
+        if trial.marks and trial.marks[-1][0] != index:
+            trial.drop_slower(drop)                                        # Rule 8
         if entry[1] is None:
             entry[1] = make(entry[0], trial.tried[0][1])
         self.trying = True
@@ -189,8 +206,9 @@ class PlanTrials:
         """Keep executor ``kept`` (None: the trial's plans were made again), drop the trial's
         others (``dropped`` already is)."""
         del self.trials[key]
-        for _, executor in trial.tried:
-            if executor is not None and executor is not kept and executor is not dropped:
+        for index, (_, executor) in enumerate(trial.tried):
+            if executor is not None and executor is not kept and executor is not dropped \
+                    and index not in trial.gone:
                 drop(executor)
         if kept is None:
             return None
@@ -206,7 +224,9 @@ class PlanTrials:
             self._end(key, trial, None, drop, dropped)
 
     def executors(self) -> list:
-        return [e for trial in self.trials.values() for _, e in trial.tried if e is not None]
+        return [e for trial in self.trials.values()
+                for index, (_, e) in enumerate(trial.tried)
+                if e is not None and index not in trial.gone]
 
 
 def ready(executor) -> bool:
@@ -256,5 +276,6 @@ def tried_executor(candidate: Candidate, like, budget_bytes: int, model):
     as ``like`` (Rule 2)."""
     executor = Executor(candidate.plan, like.device, budget_bytes - candidate.gives_bytes,
                         model=model)
+    executor.callers_budget_bytes = budget_bytes
     executor.calibration.adopt(like.calibration)
     return executor
