@@ -557,8 +557,9 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
 
     @property
     def plan_trials(self) -> list:
-        """Every finished trial of plans on the machine (Rule 10): each plan's replayed layers
-        and timed step seconds, and the index of the one kept."""
+        """Every finished trial of plans on the machine (Rule 10): each plan's replayed layers,
+        the bytes of the budget it left to the allocator (trial Rule 7) and its timed step
+        seconds, and the index of the one kept."""
         return list(self._trials.records)
 
 
