@@ -21,11 +21,11 @@ import sys
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 import superneurons as sn
 import superneurons.runtime.module as module
 from common import write
+from newcomers_exact import _classifier
 from superneurons.runtime.trial import MAX_TRIED, ROOM_SHARES, TIMED_STEPS
 
 # a trial at the first step past the first: the chosen plan's steps, then each tried plan's
@@ -42,13 +42,6 @@ def gpt2():
     model = transformers.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 300, (4, 48))
     return model, (), {"input_ids": ids, "labels": ids}, lambda out: out.loss
-
-
-def _classifier(build, batch: int = 4):
-    torch.manual_seed(0)
-    model = build().train()
-    x, y = torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,))
-    return model, (x,), {}, lambda out: F.cross_entropy(out, y)
 
 
 def convnext():

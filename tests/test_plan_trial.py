@@ -208,6 +208,21 @@ def test_every_block_replayed_as_it_is_is_among_the_alternatives_where_it_fits()
     assert cheap and all(len(most.segments) <= len(p.segments) for p in cheap)
 
 
+def trained(model, x, y, steps: int, each=lambda: None) -> tuple:
+    """``steps`` SGD steps with momentum: the losses, and the state after (on the host). Run
+    plain first, so that on CUDA its tensors are gone when the wrapped model reads what it
+    does not own."""
+    optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().cpu())
+        each()
+    return losses, [t.cpu() for t in model.state_dict().values()]
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: the trial timed by events, calibrated first"))]
 
@@ -229,21 +244,9 @@ def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
               + plan_graph(graph, "liveness").peak_bytes) // 2
     budget += 3 * state if device == "cuda" else 0
 
-    def train(model_, steps, each=lambda: None):
-        """Losses, and the state after (on the host): plain first, so that on CUDA its
-        tensors are gone when the wrapped model reads what it does not own."""
-        optimizer, losses = torch.optim.SGD(model_.parameters(), lr=0.1, momentum=0.9), []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model_(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach().cpu())
-            each()
-        return losses, [t.cpu() for t in model_.state_dict().values()]
     first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
     steps = first + (TIMED_STEPS + 1) + 2 * (TIMED_STEPS + 2) + 1
-    plain = train(copy.deepcopy(model), steps)
+    plain = trained(copy.deepcopy(model), x, y, steps)
     wrapped = sn.wrap(model, "superneurons", budget)
     trying, executors = [], set()
 
@@ -251,7 +254,7 @@ def test_training_through_a_trial_is_plain_pytorchs(device, monkeypatch):
         trying.append(wrapped.stats.trying)
         executors.add(wrapped._last[1])
         assert wrapped.stats.peak_bytes <= budget
-    losses, after = train(wrapped, steps, each)
+    losses, after = trained(wrapped, x, y, steps, each)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
     if device == "cuda" and not wrapped.plan_trials:
@@ -335,19 +338,9 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
     if device == "cuda":          # beside the momentum and the losses kept, as the test above
         budget += 3 * sum(p.numel() * p.element_size() for p in model.parameters())
 
-    def train(model_, steps, each=lambda: None):
-        optimizer, losses = torch.optim.SGD(model_.parameters(), lr=0.1, momentum=0.9), []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model_(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.detach().cpu())
-            each()
-        return losses, [t.cpu() for t in model_.state_dict().values()]
     first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
     steps = first + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 2
-    plain = train(copy.deepcopy(model), steps)
+    plain = trained(copy.deepcopy(model), x, y, steps)
     wrapped = sn.wrap(model, "superneurons", budget)
     retries = [0]                 # the allocator's count, faked: one retry in the step before
     monkeypatch.setattr("superneurons.runtime.untouched.allocator_retries",
@@ -368,7 +361,7 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
         assert wrapped.stats.peak_bytes <= clock.running.budget_bytes <= budget
         assert wrapped.stats.budget_bytes == clock.running.callers_budget_bytes == budget
         retries[0] += len(ran) == first          # the step before the trial's first
-    losses, after = train(wrapped, steps, each)
+    losses, after = trained(wrapped, x, y, steps, each)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
     record, = wrapped.plan_trials
