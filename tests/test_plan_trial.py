@@ -389,3 +389,22 @@ def test_a_retry_before_the_step_before_the_trial_tries_no_lower_budget(monkeypa
         optimizer.step()
     trial, = wrapped._trials.trials.values()
     assert len(trial.tried) > 1 and not any(c.gives_bytes for c, _ in trial.tried)
+
+
+@pytest.mark.parametrize("own, told", [(None, []), (900, [50])])
+def test_a_step_past_a_lower_budget_tells_its_executor(own, told, monkeypatch):
+    """untouched.py Rule 5 against the executor's own budget: a kept plan below the caller's
+    budget (Rule 7) that passes its own learns by how much; the caller is warned only past
+    theirs."""
+    import warnings
+    from superneurons.runtime import untouched
+    monkeypatch.setattr(untouched, "peak_allocated_bytes", lambda device: 950)
+    watch, heard = untouched.UntouchedWatch(), []
+    x = torch.ones(2, requires_grad=True)
+    out = x * 2
+    watch.watch("key", out, torch.device("cpu"), None, 1000, passed=heard.append,
+                own_budget_bytes=own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # within the caller's budget: nothing said
+        out.sum().backward()
+    assert heard == told

@@ -513,7 +513,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         if self._says_passed(device):                           # untouched.py Rules 4, 5
             calibration = executor.calibration     # raised once: nothing more to tell it
             self._untouched.watch(key, out, device, None, self.budget_bytes,
-                                  passed=None if calibration.raised else calibration.passed)
+                                  passed=None if calibration.raised else calibration.passed,
+                                  own_budget_bytes=executor.budget_bytes)
         return out
 
     def _says_passed(self, device: torch.device) -> bool:

@@ -28,8 +28,9 @@ Rule 4: every step with a budget on CUDA is read, managed or untouched, whatever
         loss computed outside the model) may take the device past the budget. The step runs
         on. Under strict_budget nothing is said: the allocator refuses past the budget inside
         the wrapped step, and what passes it is outside (the caller's loss).
-Rule 5: a managed step past the budget also tells its executor by how much, once per plan,
-        from a step that trusted its calibration (executor Rule 4): the readings at layer
+Rule 5: a managed step past its executor's budget (the caller's, or a lower one a trial kept:
+        trial.py Rule 7) also tells the executor by how much, once per plan, from a step
+        that trusted its calibration (executor Rule 4): the readings at layer
         boundaries missed that much real use between them, which a step later than the
         calibrating ones can meet (ResNet-101 at batch 896 passed by 120 MiB in its third
         step, claims_0495cd2.json, not in its second).
@@ -121,12 +122,13 @@ class UntouchedWatch:
         return untouched_holds(plan_peak_bytes + margin, budget_bytes, foreign)
 
     def watch(self, key, out, device: torch.device, predicted: int | None,
-              budget_bytes: int | None, passed=None) -> None:
+              budget_bytes: int | None, passed=None, own_budget_bytes: int | None = None
+              ) -> None:
         """After a forward that returned ``out``: read the step's peak once its backward ends,
         against ``budget_bytes`` (Rule 4; None: not) and, for an untouched step whose policy
         decides it, against ``predicted`` (its plan and the bytes the model did not own; None:
         not). ``passed``, where given, is called with the bytes by which the step passed the
-        budget (Rule 5).
+        executor's ``own_budget_bytes`` (None: ``budget_bytes``; Rule 5).
         A hook on each output that has a backward only sees the first gradient pass and
         queues the reading for the backward's end. The wrapper's forward has cancelled the
         watch of any earlier step (one never backpropagated is not read)."""
@@ -144,7 +146,7 @@ class UntouchedWatch:
                 queued.append(True)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: self._ended(key, device, predicted, budget_bytes, began, passed,
-                                        retry_budget, retries_began))
+                                        retry_budget, retries_began, own_budget_bytes))
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                 self._pending.append(tensor.register_hook(on_gradient))
@@ -167,7 +169,7 @@ class UntouchedWatch:
 
     def _ended(self, key, device: torch.device, predicted: int | None,
                budget_bytes: int | None, began: tuple, passed, retry_budget: int | None,
-               retries_began: int) -> None:
+               retries_began: int, own_budget_bytes: int | None = None) -> None:
         self.cancel()
         # Rule 6 from this step's own count: another wrapper's reset meanwhile moves no count
         retries = max(0, allocator_retries(device) - retries_began)
@@ -181,10 +183,11 @@ class UntouchedWatch:
             return
         if predicted is not None:
             self.excess[key] = peak - predicted
+        own = budget_bytes if own_budget_bytes is None else own_budget_bytes
+        if passed is not None and own is not None and peak > own:              # Rule 5
+            passed(peak - own)
         if budget_bytes is None or peak <= budget_bytes:
             return
-        if passed is not None:                                                  # Rule 5
-            passed(peak - budget_bytes)
         if key not in self.passed:                                              # Rule 4
             self.passed.add(key)
             warnings.warn(
