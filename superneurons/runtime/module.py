@@ -94,7 +94,7 @@ from .state import check_state_tier, to_host_memory
 from .stats import StepStats, step_stats
 from .structure import Structure
 from .trial import PlanTrials, others_within, ready, tried_executor
-from .untouched import UntouchedWatch, reset_peak, retries_since_reset
+from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
 
 _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
@@ -464,8 +464,8 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             self._device([t for t in pytree.tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor)])
         self._untouched.cancel()     # an earlier untouched step without a backward (Rule 2)
-        retried = retries_since_reset(device) > 0          # by the step before: trial Rule 7
-        reset_peak(device)                                              # StepStats, Rule 2
+        # StepStats and Rule 2; what it returns is the step before's retries (trial Rule 7)
+        retried = reset_peak(device) > 0
         self._last = (plan, executor, device, made)
         if executor is None:
             try:

@@ -68,13 +68,16 @@ def _device_key(device: torch.device) -> tuple:
     return device.type, index
 
 
-def reset_peak(device: torch.device) -> None:
-    """Start a step's peak reading (every wrapper's forward, managed or not)."""
+def reset_peak(device: torch.device) -> int:
+    """Start a step's peak reading (every wrapper's forward, managed or not); returns the
+    allocator's retries since the reset before (the step before's: trial.py Rule 7)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     key = _device_key(device)
     _resets[key] = _resets.get(key, 0) + 1
-    _retries_at_reset[key] = allocator_retries(device)
+    count, before = allocator_retries(device), _retries_at_reset.get(key, 0)
+    _retries_at_reset[key] = count
+    return max(0, count - before)
 
 
 def retries_since_reset(device: torch.device) -> int:
