@@ -28,6 +28,7 @@ def plans_for_a_larger_room(room: float):
     """Make the wrapper's plans for ``room`` times its budget (each said to be made for the
     budget itself) and time no other plans: returns the planning function it now calls."""
     import superneurons.runtime.module as module
+    import superneurons.runtime.trial as trial
     from superneurons.planner import Policy, parse_policy
     plan_graph = module.plan_graph
 
@@ -39,7 +40,7 @@ def plans_for_a_larger_room(room: float):
         return dataclasses.replace(plan_graph(graph, policy, int(budget * room), *args,
                                               **kwargs), budget_bytes=budget)
     module.plan_graph = for_a_larger_room
-    module.others_within = lambda *args, **kwargs: ([], True)              # no trial
+    trial.others_within = lambda *args, **kwargs: ([], True)               # no trial
     return for_a_larger_room
 
 

@@ -11,6 +11,7 @@ import torchvision
 
 import superneurons as sn
 import superneurons.runtime.module as module
+import superneurons.runtime.trial as trial
 from superneurons.runtime.room import managed_holds
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -19,7 +20,7 @@ from hidden_moves import plans_for_a_larger_room  # noqa: E402
 
 def test_a_plan_for_a_larger_room_moves_within_the_budget_and_is_kept(monkeypatch):
     monkeypatch.setattr(module, "plan_graph", module.plan_graph)       # restored after
-    monkeypatch.setattr(module, "others_within", module.others_within)
+    monkeypatch.setattr(trial, "others_within", trial.others_within)
     with torch.device("meta"):      # planned only: activations large beside the state
         model = torchvision.models.resnet18(num_classes=10)
     x = torch.empty(16, 3, 128, 128, device="meta")
@@ -37,4 +38,4 @@ def test_a_plan_for_a_larger_room_moves_within_the_budget_and_is_kept(monkeypatc
     assert managed_holds(larger, budget, 0)          # not made again at the next step
     with pytest.raises(ValueError):      # liveness is planned for the budget: not untouched
         module.plan_graph(graph, "liveness", budget)
-    assert module.others_within() == ([], True)      # no plan tried beside it
+    assert trial.others_within() == ([], True)       # no plan tried beside it

@@ -133,11 +133,12 @@ def _never(_):
 
 class Executor(RoomKeeping, SavedTensors):
     def __init__(self, plan, device: torch.device, budget_bytes: int, count_foreign: bool = True,
-                 model=None):
+                 model=None, callers_budget_bytes: int | None = None):
         self.plan, self.device, self.budget_bytes = plan, device, budget_bytes
         # the budget the caller gave, which messages name: a trial may keep an executor below
         # it (trial.py Rule 7)
-        self.callers_budget_bytes = budget_bytes
+        self.callers_budget_bytes = budget_bytes if callers_budget_bytes is None \
+            else callers_budget_bytes
         self.cuda = device.type == "cuda"
         # a user's budget covers all device memory (optimizer state, other tensors); the
         # policy's own floor covers only what the plan knows

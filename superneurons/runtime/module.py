@@ -93,7 +93,7 @@ from .outside import seen_bytes
 from .state import check_state_tier, to_host_memory
 from .stats import StepStats, step_stats
 from .structure import Structure
-from .trial import PlanTrials, others_within, ready, tried_executor
+from .trial import PlanTrials
 from .untouched import UntouchedWatch, reset_peak
 from .workspaces import end_stale
 
@@ -483,15 +483,9 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
             self._untouched.warming(key)       # a managed step runs, not plan_for's look
         elif self.budget_bytes is not None and self.state == "device" and \
                 plan.policy.recomputes:                                         # Rule 10
-            budget = self.budget_bytes
-            plan, executor = self._executors[key] = self._trials.step(
-                key, (plan, executor), device, ready,
-                lambda p, e: others_within(p, e, budget, self.strategy, self.state, foreign,
-                                           retried),
-                lambda c, e: tried_executor(c, e, budget, self.model), self._drop,
-                self._in_flight,
-                lambda c: foreign is None or
-                managed_holds(c.plan, budget - c.gives_bytes, foreign))          # trial Rule 6
+            plan, executor = self._executors[key] = self._trials.step_within(
+                key, (plan, executor), device, self.budget_bytes, self.strategy, self.model,
+                foreign, retried, self._drop, self._in_flight)
             made["trying"] = self._trials.trying                        # StepStats
             self._last = (plan, executor, device, made)
         self._keep_state_of(executor)                                   # Rule 6

@@ -47,6 +47,7 @@ import torch
 from ..planner import plan_graph
 from .calibration import CALIBRATION_STEPS
 from .executor import Executor
+from .room import managed_holds
 
 # timed steps per plan; a tried plan's first step runs untimed (it fills its host store), and a
 # step is timed only up to the next forward of the same plan (a switch makes the next plan's
@@ -202,6 +203,19 @@ class PlanTrials:
         trial.marks.append((index, trial.clock.mark()))
         return entry[0].plan, entry[1]
 
+    def step_within(self, key, planned, device, budget_bytes: int, strategy, model, foreign,
+                    retried: bool, drop, in_flight):
+        """step() for a wrapper's managed plan with its state on the device, within the
+        caller's ``budget_bytes`` beside the ``foreign`` bytes the model does not own (None:
+        not read this step); ``retried``: whether the step before made the allocator retry
+        (Rule 7)."""
+        return self.step(
+            key, planned, device, ready,
+            lambda p, e: others_within(p, e, budget_bytes, strategy, "device", foreign, retried),
+            lambda c, e: tried_executor(c, e, budget_bytes, model), drop, in_flight,
+            lambda c: foreign is None or
+            managed_holds(c.plan, budget_bytes - c.gives_bytes, foreign))        # Rule 6
+
     def _end(self, key, trial, kept, drop, dropped=None):
         """Keep executor ``kept`` (None: the trial's plans were made again), drop the trial's
         others (``dropped`` already is)."""
@@ -275,7 +289,6 @@ def tried_executor(candidate: Candidate, like, budget_bytes: int, model):
     """An executor for a tried ``candidate`` within the wrapper's ``budget_bytes``, calibrated
     as ``like`` (Rule 2)."""
     executor = Executor(candidate.plan, like.device, budget_bytes - candidate.gives_bytes,
-                        model=model)
-    executor.callers_budget_bytes = budget_bytes
+                        model=model, callers_budget_bytes=budget_bytes)
     executor.calibration.adopt(like.calibration)
     return executor
