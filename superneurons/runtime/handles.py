@@ -78,6 +78,17 @@ class StateWritten(Written):
         """Nothing to let go: emptying the alias would empty the model's own tensor."""
 
 
+class Holder:
+    """What autograd keeps for a tensor saved outside a segment: the tensor itself until its
+    layer has run, then what the plan made of it (a PoolRef, a ValueRef, or the tensor kept),
+    with the saver's write check and the backward step that reads it (None for model state)."""
+
+    __slots__ = ("handle", "written", "step")
+
+    def __init__(self, handle, written: Written, step: int | None = None):
+        self.handle, self.written, self.step = handle, written, step
+
+
 class PoolRef:
     """A saved tensor living in the Unified Tensor Pool (may move to host and back)."""
 

@@ -8,7 +8,7 @@ from torch.utils import _pytree as pytree
 
 from ..planner import Action, Policy
 from .calibration import allocated_bytes
-from .handles import PoolRef, SlotRef, StateWritten, ValueRef, Written, view_of
+from .handles import Holder, PoolRef, SlotRef, StateWritten, ValueRef, Written, view_of
 from .near_limit import bring_back_out_of_memory
 from .state import StateRef
 from .workspaces import FitOutOfMemory
@@ -26,7 +26,7 @@ class SavedTensors:
         self.counter += 1
         pointer = tensor.untyped_storage().data_ptr()
         if pointer in self.param_ptrs:
-            return [tensor, StateWritten(tensor)]                    # Rule 3 (and 7)
+            return Holder(tensor, StateWritten(tensor))                # Rule 3 (and 7)
         if self.tier is not None and self.tier.reads(pointer):        # state.py Rule 2
             return self.tier.saved(pointer, view_of(tensor), self.bwd(layer.index))
         # a kernel's host-side scalars (attention's random seed and offset) stay as they are;
@@ -38,7 +38,7 @@ class SavedTensors:
             return SlotRef(self.records[self.segment.index], key, self.bwd(layer.index),
                            Written(tensor, keeps_bytes=False))
         # as saved, before the layer writes any more; its bytes go once _resolve moves or drops it
-        holder = [tensor, Written(tensor)]
+        holder = Holder(tensor, Written(tensor))
         self.pending.append(holder)
         return holder
 
@@ -51,11 +51,8 @@ class SavedTensors:
 
     def _bring_back(self, handle):
         step = written = None
-        if isinstance(handle, list):  # a holder: [tensor or handle, Written, the step reading it]
-            written = handle[1]
-            if len(handle) > 2:                                                 # (resolved)
-                step = handle[2]
-            handle = handle[0]
+        if type(handle) is Holder:
+            step, written, handle = handle.step, handle.written, handle.handle
         elif isinstance(handle, SlotRef):   # saved inside a segment: it carries its step
             step, written = handle.step, handle.written
         if written is not None:                                                # Rule 7
@@ -117,24 +114,24 @@ class SavedTensors:
         actions, policy = self.plan.actions, self.plan.policy
         storage_of = self.storage_of_value
         for index, holder in enumerate(self.pending):
-            tensor = holder[0]
-            holder.append(step)                 # the backward step that reads it (_unpack)
+            tensor, written = holder.handle, holder.written
+            holder.step = step
             value = by_storage.get(tensor.untyped_storage().data_ptr())
             if value is None:       # a layer's own tensor (pooling indices, batch statistics)
                 if policy is Policy.SUPERNEURONS:
-                    written, view = holder[1], view_of(tensor)
+                    view = view_of(tensor)
                     entry = self.pool.add((self.step_id, layer.index, index), written.alias,
                                           position, view, written)
-                    holder[0] = PoolRef(entry, view, step)
+                    holder.handle = PoolRef(entry, view, step)
                 continue
             storage = storage_of[value]
             action = actions[storage]
             if action is Action.OFFLOAD:
-                holder[0] = self._pool_ref(storage, tensor, step, written=holder[1])
+                holder.handle = self._pool_ref(storage, tensor, step, written=written)
             elif action is Action.RECOMPUTE:
                 record = self.records[self.segment_of[self.graph.values[value].producer].index]
-                holder[0] = ValueRef(record, value, view_of(tensor))
-                holder[1].forget_bytes()
+                holder.handle = ValueRef(record, value, view_of(tensor))
+                written.forget_bytes()
         self.pending = []
 
     def _pool_ref(self, storage: int, tensor: torch.Tensor, step: int,
