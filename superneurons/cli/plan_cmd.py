@@ -1,4 +1,5 @@
-"""superneurons plan: every policy's predicted peak for a zoo network, without a GPU."""
+"""superneurons plan: every policy's predicted peak for a zoo network or a model of today
+(torchvision:NAME, timm:NAME, hf:MODEL), without a GPU."""
 
 import argparse
 
@@ -10,6 +11,7 @@ from ..planner import Policy, plan_graph
 from ..planner.policy import CHECKPOINT_KINDS
 from ..units import format_bytes, parse_bytes
 from .output import plot_steps, print_table, write_json
+from .today import is_named, settings
 
 POLICIES = [p for p in Policy if p is not Policy.AUTO]
 
@@ -30,14 +32,31 @@ def add_arguments(parser) -> None:
 
 
 def add_model_arguments(parser) -> None:
-    parser.add_argument("model", choices=sorted(models.ZOO), help="a network of the paper")
+    parser.add_argument("model", type=network,
+                        help=f"a network of the paper ({', '.join(sorted(models.ZOO))}) or a "
+                             "model of today: torchvision:NAME, timm:NAME, hf:MODEL (an HF "
+                             "model type such as gpt2, or a configuration's directory)")
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--image", type=int, help="image size in pixels (default: the usual)")
+    parser.add_argument("--seq", type=int,
+                        help="tokens per sequence for hf:MODEL (default: up to 1024)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="a torchvision or timm builder's argument, or an HF "
+                             "configuration's field (num_hidden_layers=4); repeatable")
     parser.add_argument("--depth", type=int, help="depth for 'resnet' and 'densenet'")
     parser.add_argument("--growth", type=int, help="growth rate for DenseNet")
     parser.add_argument("--efficient", action="store_true",
                         help="DenseNet's memory-efficient implementation (shared storage); "
                              "under a policy it is planned, and managed, as the plain one")
+
+
+def network(text: str) -> str:
+    """The model argument, read by the parser: a zoo name or SOURCE:NAME."""
+    if text in models.ZOO or is_named(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a network of the paper ({', '.join(sorted(models.ZOO))}) nor "
+        "torchvision:NAME, timm:NAME or hf:MODEL")
 
 
 def budget(text: str) -> int:
@@ -49,16 +68,26 @@ def budget(text: str) -> int:
 
 
 def build_meta(args):
-    """The zoo network on the meta device: planning allocates nothing."""
+    """(the model on the meta device, its positional inputs, its keyword inputs, the inputs
+    as the summary says them): planning allocates nothing."""
+    if is_named(args.model):
+        from .today import build
+        named = build(args.model, args.batch, "meta", image=args.image, seq=args.seq,
+                      options=settings(args.set))
+        return named.model, named.args, named.kwargs, named.inputs
+    if args.seq or args.set:
+        raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
+                         f"the paper's {args.model}")
     with torch.device("meta"):
         model = models.build(args.model, depth=args.depth, growth=args.growth,
                              efficient=args.efficient)
-    return model, models.input_shape(args.model, args.batch, args.image)
+    shape = models.input_shape(args.model, args.batch, args.image)
+    return model, shape, None, f"input {shape}"
 
 
 def run(args) -> None:
-    model, shape = build_meta(args)
-    graph = capture(model, shape, ("cuda", torch.bfloat16) if args.bf16 else None)
+    model, example, kwargs, inputs = build_meta(args)
+    graph = capture(model, example, ("cuda", torch.bfloat16) if args.bf16 else None, kwargs)
     plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
     any_plan = plans[Policy.SUPERNEURONS]
     # at a policy's floor every tensor it may offload goes to the host: what the host must hold
@@ -66,7 +95,7 @@ def run(args) -> None:
              f"{pl.peak_bytes / plans[Policy.BASELINE].peak_bytes:.1%}",
              pl.num_extra_computations,
              format_bytes(pl.offloaded_bytes) if p.offloads else "-"] for p, pl in plans.items()]
-    print_table(f"{args.model}, input {shape}{', bf16 autocast' if args.bf16 else ''}: "
+    print_table(f"{args.model}, {inputs}{', bf16 autocast' if args.bf16 else ''}: "
                 f"{len(any_plan.order)} layers, resident "
                 f"{format_bytes(any_plan.resident_bytes)}, l_peak "
                 f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
@@ -88,7 +117,8 @@ def run(args) -> None:
         print((chosen or any_plan).explain())
     if args.json:
         write_json(args.json, {
-            "model": args.model, "input_shape": list(shape), "strategy": args.strategy,
+            "model": args.model, "inputs": inputs, "strategy": args.strategy,
+            **({} if is_named(args.model) else {"input_shape": list(example)}),
             "num_layers": len(any_plan.order), "resident_bytes": any_plan.resident_bytes,
             "max_layer_bytes": any_plan.max_layer_bytes, "route": any_plan.route,
             "extra_computations": {str(k): v for k, v in any_plan.extra_computations.items()},

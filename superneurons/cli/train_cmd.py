@@ -1,4 +1,5 @@
-"""superneurons train: a zoo network on synthetic data, with a progress bar and a summary."""
+"""superneurons train: a zoo network or a model of today (torchvision:NAME, timm:NAME,
+hf:MODEL) on synthetic data, with a progress bar and a summary."""
 
 import argparse
 import gc
@@ -16,6 +17,7 @@ from ..units import format_bytes
 from .output import print_table
 from .plan_cmd import add_model_arguments, budget
 from .progress import Progress
+from .today import Named, build, is_named, settings
 
 
 def add_arguments(parser) -> None:
@@ -82,17 +84,11 @@ def _train(args, progress: Progress) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.manual_seed(0)                       # the same initial weights on every rank
-    classes = 10 if args.model == "densenet_cifar" else 1000
-    model = models.build(args.model, depth=args.depth, growth=args.growth,
-                         num_classes=classes, efficient=args.efficient).to(device)
-    torch.manual_seed(1 + rank)                # each rank its own data
-    shape = models.input_shape(args.model, args.batch, args.image)
-    x = torch.randn(shape, device=device)
-    y = torch.randint(0, classes, (args.batch,), device=device)
-    if args.bf16 and x.dim() == 4:
+    named = _named(args, device, rank)
+    model, x = named.model, named.args
+    if args.bf16 and len(x) == 1 and x[0].dim() == 4:
         model, x = model.to(memory_format=torch.channels_last), \
-            x.to(memory_format=torch.channels_last)
+            (x[0].to(memory_format=torch.channels_last),)
 
     wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
     stats_of = wrapped
@@ -103,12 +99,12 @@ def _train(args, progress: Progress) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-    progress.say(f"{args.model} at batch {args.batch} on {device}")
+    progress.say(f"{args.model}, {named.inputs} on {device}")
     began = time.perf_counter()
     with autocast:
         # a budget too small fails here, before any step; one that the optimizer's state
         # (made by the first step) leaves too small fails before the second
-        stats_of.plan_for(x)
+        stats_of.plan_for(*x, **named.kwargs)
     progress.steps(args.steps)
     start = time.perf_counter()
     first_step_seconds = None
@@ -116,8 +112,8 @@ def _train(args, progress: Progress) -> None:
         optimizer.zero_grad(set_to_none=True)
         try:
             with autocast:
-                out = wrapped(x)
-            loss = F.nll_loss(out.float(), y)
+                out = wrapped(*x, **named.kwargs)
+            loss = named.loss(out)
             loss.backward()
         except torch.OutOfMemoryError as error:  # in autograd's kernels: say what to change
             if not near_limit.reads_allocator(device):
@@ -127,7 +123,7 @@ def _train(args, progress: Progress) -> None:
         optimizer.step()
         elapsed = time.perf_counter() - start
         progress.step(loss=f"{loss.item():.3f}",
-                      img_s=f"{world * args.batch * (step + 1) / elapsed:.1f}",
+                      **{f"{named.unit}_s": f"{world * named.items * (step + 1) / elapsed:.1f}"},
                       peak=format_bytes(stats_of.stats.peak_bytes))
         if step == 0:
             if device.type == "cuda":
@@ -151,13 +147,13 @@ def _train(args, progress: Progress) -> None:
         if rank != 0:
             return
     stats = stats_of.stats
-    print_table(f"{args.model}, batch {args.batch} x {world} processes, {args.steps} steps on "
+    print_table(f"{args.model}, {named.inputs} x {world} processes, {args.steps} steps on "
                 f"{device}",
                 ["what", "value"], [
                     ["policy run", stats.policy],
                     ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
-                    ["images per second (all processes)",
-                     f"{world * args.batch * args.steps / elapsed:.1f}"],
+                    [f"{'tokens' if named.unit == 'tok' else 'images'} per second (all "
+                     "processes)", f"{world * named.items * args.steps / elapsed:.1f}"],
                     ["first step (with capture) / later steps",
                      f"{first_step_seconds:.2f} s / " + (
                          f"{later_seconds / (args.steps - 1):.2f} s each"
@@ -178,3 +174,23 @@ def _train(args, progress: Progress) -> None:
                     ["cache hits / misses", f"{stats.cache_hits} / {stats.cache_misses}"],
                     ["layers recomputed", stats.recomputed_layers],
                     ["final loss", f"{loss.item():.4f}"]])
+
+
+def _named(args, device, rank: int) -> Named:
+    """The model on ``device``, the same initial weights on every rank, and its inputs, each
+    rank its own."""
+    torch.manual_seed(0)
+    if is_named(args.model):
+        return build(args.model, args.batch, device, image=args.image, seq=args.seq,
+                     options=settings(args.set), inputs_seed=1 + rank)
+    if args.seq or args.set:
+        raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
+                         f"the paper's {args.model}")
+    classes = 10 if args.model == "densenet_cifar" else 1000
+    model = models.build(args.model, depth=args.depth, growth=args.growth,
+                         num_classes=classes, efficient=args.efficient).to(device)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(models.input_shape(args.model, args.batch, args.image), device=device)
+    y = torch.randint(0, classes, (args.batch,), device=device)
+    return Named(model, (x,), loss=lambda out: F.nll_loss(out.float(), y),
+                 inputs=f"batch {args.batch}", items=args.batch)

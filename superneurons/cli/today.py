@@ -1,0 +1,155 @@
+"""Models people train today, named on the command line beside the paper's networks:
+``torchvision:NAME``, ``timm:NAME`` and ``hf:MODEL`` (HF transformers: a model type such as
+``hf:gpt2``, built from that type's default configuration, or a configuration's directory or hub
+name). Each is built with random weights, with synthetic inputs of the given batch and the loss
+its training step would take. ``--set KEY=VALUE`` goes to torchvision's and timm's builders as
+an argument, and to an HF configuration as a field (``--set num_hidden_layers=4``)."""
+
+import ast
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCES = ("torchvision", "timm", "hf")
+# a language model's tokens per sequence where neither --seq nor its configuration says: GPT-2
+# small's context, the issue's decoder anchor
+DEFAULT_SEQUENCE = 1024
+
+
+@dataclass
+class Named:
+    """A model with its inputs and how its step's loss is read from its output."""
+    model: nn.Module
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    loss: Callable = None            # (output) -> the loss the step's backward starts from
+    inputs: str = ""                 # the inputs, as a summary line says them
+    items: int = 0                   # images or tokens a step: the throughput's unit
+    unit: str = "img"
+
+
+def is_named(name: str) -> bool:
+    return name.partition(":")[0] in SOURCES and bool(name.partition(":")[2])
+
+
+def settings(pairs: list) -> dict:
+    """``--set`` pairs as keyword arguments; a value is a Python literal where it reads as one
+    (4, 0.1, True, None), else a string."""
+    out = {}
+    for pair in pairs or ():
+        key, equals, text = pair.partition("=")
+        if not equals or not key.isidentifier():
+            raise ValueError(f"--set takes KEY=VALUE with KEY a name, got {pair!r}")
+        try:
+            out[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
+
+
+def build(name: str, batch: int, device, *, image: int | None = None, seq: int | None = None,
+          options: dict | None = None, inputs_seed: int | None = None) -> Named:
+    """``name``'s model on ``device`` (meta: planning allocates nothing) and its inputs, made
+    after ``torch.manual_seed(inputs_seed)`` where one is given (each rank its own data)."""
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    source, _, model_name = name.partition(":")
+    builders = {"torchvision": _torchvision, "timm": _timm, "hf": _hf}
+    if source not in builders or not model_name:
+        raise ValueError(f"a model today is named torchvision:NAME, timm:NAME or hf:MODEL, "
+                         f"not {name!r}")
+    model, inputs = builders[source](model_name, torch.device(device), dict(options or {}))
+    if inputs_seed is not None:
+        torch.manual_seed(inputs_seed)
+    return inputs(model, batch, image, seq)
+
+
+def _library(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ValueError(f"{module} is not installed: pip install {module}") from None
+
+
+def _images(model: nn.Module, batch: int, size: tuple, classes: int) -> Named:
+    device = next(model.parameters()).device
+    x = torch.randn((batch, *size), device=device)
+    y = torch.randint(0, classes, (batch,), device=device) if device.type != "meta" else None
+
+    def loss(out):
+        # a model that trains with auxiliary heads (inception_v3, googlenet) returns a tuple
+        logits = out[0] if isinstance(out, tuple) else out
+        return F.cross_entropy(logits.float(), y)
+    return Named(model, (x,), loss=loss, inputs=f"input {tuple(x.shape)}", items=batch)
+
+
+# A builder makes (the model on a device, inputs(model, batch, image, seq) -> Named).
+
+def _torchvision(name, device, options) -> tuple:
+    models = _library("torchvision").models
+    if name not in models.list_models():
+        raise ValueError(f"torchvision has no model {name!r}; torchvision.models.list_models() "
+                         "lists them")
+    with torch.device(device):
+        model = models.get_model(name, weights=None, **options)
+
+    def inputs(model, batch, image, seq):
+        size = image or (299 if name == "inception_v3" else 224)
+        return _images(model, batch, (3, size, size), options.get("num_classes", 1000))
+    return model, inputs
+
+
+def _timm(name, device, options) -> tuple:
+    timm = _library("timm")
+    if not timm.is_model(name):
+        raise ValueError(f"timm has no model {name!r}; timm.list_models() lists them")
+    with torch.device(device):
+        model = timm.create_model(name, pretrained=False, **options)
+
+    def inputs(model, batch, image, seq):
+        channels, height, width = model.pretrained_cfg.get("input_size", (3, 224, 224))
+        size = (channels, image, image) if image else (channels, height, width)
+        return _images(model, batch, size, model.num_classes)
+    return model, inputs
+
+
+def _hf(name, device, options) -> tuple:
+    transformers = _library("transformers")
+    from transformers.models.auto import modeling_auto as auto
+    if "/" in name or name.startswith("."):         # a configuration's directory or hub name
+        config = transformers.AutoConfig.from_pretrained(name, **options)
+    else:
+        try:
+            config = transformers.AutoConfig.for_model(name, **options)
+        except ValueError:
+            raise ValueError(f"transformers has no model type {name!r}; hf:MODEL takes a type "
+                             "such as gpt2, llama or bert, or a configuration's "
+                             "directory") from None
+    kind = config.model_type
+    if kind in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        head = transformers.AutoModelForMaskedLM
+    elif kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        head = transformers.AutoModelForCausalLM
+    else:
+        raise ValueError(f"hf:{name} has no causal or masked language-model head in "
+                         "transformers; wrap such a model in Python (sn.wrap) with its own "
+                         "inputs and loss")
+    with torch.device(device):
+        model = head.from_config(config)
+
+    def inputs(model, batch, image, seq):
+        positions = getattr(config, "max_position_embeddings", None) or \
+            getattr(config, "n_positions", None) or DEFAULT_SEQUENCE
+        length = seq or min(DEFAULT_SEQUENCE, positions)
+        ids = torch.randint(0, config.vocab_size, (batch, length), device=device) \
+            if device.type != "meta" else torch.empty((batch, length), dtype=torch.long,
+                                                      device=device)
+        kwargs = {"input_ids": ids, "labels": ids}
+        if getattr(config, "use_cache", False):
+            kwargs["use_cache"] = False             # a training step keeps no cache of keys
+        return Named(model, (), kwargs, loss=lambda out: out.loss,
+                     inputs=f"{batch} x {length} tokens", items=batch * length, unit="tok")
+    return model, inputs

@@ -1,0 +1,93 @@
+"""The command line on models of today: torchvision:NAME, timm:NAME and hf:MODEL."""
+
+import json
+
+import pytest
+import torch
+
+from superneurons.cli.main import main
+from superneurons.cli.today import build, settings
+
+# GPT-2's graph at a size a CPU test trains in a second
+TINY_GPT2 = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2",
+             "--set", "vocab_size=128", "--set", "n_positions=64"]
+
+
+def test_plan_of_a_torchvision_model_names_it_and_writes_its_inputs(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "torchvision:resnet18", "--batch", "2", "--image", "32",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "torchvision:resnet18, input (2, 3, 32, 32)" in printed
+    record = json.loads(out.read_text())
+    assert record["inputs"] == "input (2, 3, 32, 32)" and "input_shape" not in record
+    peaks = {p: record["policies"][p]["peak_bytes"] for p in record["policies"]}
+    assert peaks["superneurons"] < peaks["baseline"]
+
+
+def test_plan_of_an_hf_decoder_takes_its_config_fields_and_sequence(capsys):
+    assert main(["plan", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2]) == 0
+    assert "hf:gpt2, 2 x 16 tokens" in capsys.readouterr().out
+
+
+def test_plan_of_a_timm_model_under_bf16(capsys):
+    assert main(["plan", "timm:resnet18", "--batch", "2", "--image", "32", "--bf16"]) == 0
+    assert "timm:resnet18, input (2, 3, 32, 32), bf16 autocast" in capsys.readouterr().out
+
+
+def test_an_hf_budget_too_small_names_the_smallest_that_works(capsys):
+    assert main(["plan", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2,
+                 "--budget", "1KiB"]) == 2
+    assert "needs at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["hf:no_such_type"], "no model type 'no_such_type'"),
+    (["timm:no_such_model"], "timm has no model 'no_such_model'"),
+    (["torchvision:no_such_model"], "torchvision has no model 'no_such_model'"),
+    (["resnet50", "--seq", "8"], "--seq and --set apply to"),
+    (["torchvision:resnet18", "--set", "3=4"], "--set takes KEY=VALUE"),
+    (["hf:vit"], "no causal or masked language-model head"),
+])
+def test_a_model_it_cannot_build_is_said_before_any_work(argv, said, capsys):
+    assert main(["plan", *argv, "--batch", "2"]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_name_of_no_source_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "vit_b_16", "--batch", "2"])
+    assert "torchvision:NAME, timm:NAME or hf:MODEL" in capsys.readouterr().err
+
+
+def test_settings_read_literals_and_keep_strings():
+    assert settings(["a=4", "b=0.5", "c=True", "d=None", "e=gelu_new"]) == \
+        {"a": 4, "b": 0.5, "c": True, "d": None, "e": "gelu_new"}
+
+
+def test_inputs_are_each_ranks_own_and_the_weights_the_same():
+    def made(rank):
+        torch.manual_seed(0)
+        return build("hf:gpt2", 2, "cpu", seq=8, options=settings(TINY_GPT2[1::2]),
+                     inputs_seed=1 + rank)
+    first, second = made(0), made(1)
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(),
+                                                 second.model.parameters()))
+    assert not torch.equal(first.kwargs["input_ids"], second.kwargs["input_ids"])
+    assert first.kwargs["use_cache"] is False and first.items == 16
+
+
+def test_train_of_an_hf_decoder_reports_tokens_a_second(capsys):
+    assert main(["train", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2,
+                 "--steps", "2", "--device", "cpu", "--policy", "recompute"]) == 0
+    printed = capsys.readouterr().out
+    assert "tokens per second" in printed and "hf:gpt2, 2 x 16 tokens" in printed
+    loss = float(printed.split("final loss")[1].split("│")[1])
+    assert loss == loss and 0 < loss < 20
+
+
+def test_train_of_a_torchvision_model_with_auxiliary_heads(capsys):
+    # googlenet returns its auxiliary logits beside the main ones while training
+    assert main(["train", "torchvision:googlenet", "--batch", "2", "--image", "64",
+                 "--set", "num_classes=10", "--steps", "1", "--device", "cpu"]) == 0
+    assert "images per second" in capsys.readouterr().out
