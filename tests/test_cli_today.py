@@ -25,9 +25,12 @@ def test_plan_of_a_torchvision_model_names_it_and_writes_its_inputs(tmp_path, ca
     assert peaks["superneurons"] < peaks["baseline"]
 
 
-def test_plan_of_an_hf_decoder_takes_its_config_fields_and_sequence(capsys):
+def test_plan_of_an_hf_decoder_takes_its_config_fields_and_sequence(capsys, recwarn):
     assert main(["plan", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2]) == 0
-    assert "hf:gpt2, 2 x 16 tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "hf:gpt2, 2 x 16 tokens" in printed
+    # the planner's warning that offload acts as liveness without convolutions: a note, once
+    assert printed.count("note: policy 'offload'") == 1 and not recwarn.list
 
 
 def test_plan_of_a_timm_model_under_bf16(capsys):

@@ -2,6 +2,7 @@
 (torchvision:NAME, timm:NAME, hf:MODEL), without a GPU."""
 
 import argparse
+import warnings
 
 import torch
 
@@ -88,7 +89,9 @@ def build_meta(args):
 def run(args) -> None:
     model, example, kwargs, inputs = build_meta(args)
     graph = capture(model, example, ("cuda", torch.bfloat16) if args.bf16 else None, kwargs)
-    plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
+    with warnings.catch_warnings(record=True) as said:   # said once, below the table
+        warnings.simplefilter("always")
+        plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
     any_plan = plans[Policy.SUPERNEURONS]
     # at a policy's floor every tensor it may offload goes to the host: what the host must hold
     rows = [[str(p), format_bytes(pl.peak_bytes),
@@ -102,6 +105,8 @@ def run(args) -> None:
                 f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
                 ["policy", "predicted peak", "of baseline", "extra layer computations",
                  "to the host a step"], rows)
+    for message in dict.fromkeys(str(w.message) for w in said):
+        print(f"note: {message}")
     chosen = None
     if args.budget:
         chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy)
