@@ -94,3 +94,9 @@ def test_train_of_a_torchvision_model_with_auxiliary_heads(capsys):
     assert main(["train", "torchvision:googlenet", "--batch", "2", "--image", "64",
                  "--set", "num_classes=10", "--steps", "1", "--device", "cpu"]) == 0
     assert "images per second" in capsys.readouterr().out
+
+
+def test_train_with_the_models_state_on_the_host(capsys):
+    assert main(["train", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2,
+                 "--steps", "2", "--device", "cpu", "--state", "host"]) == 0
+    assert "│ host, " in capsys.readouterr().out

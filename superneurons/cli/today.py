@@ -51,8 +51,10 @@ def settings(pairs: list) -> dict:
 
 
 def build(name: str, batch: int, device, *, image: int | None = None, seq: int | None = None,
-          options: dict | None = None, inputs_seed: int | None = None) -> Named:
-    """``name``'s model on ``device`` (meta: planning allocates nothing) and its inputs, made
+          options: dict | None = None, inputs_seed: int | None = None,
+          inputs_device=None) -> Named:
+    """``name``'s model on ``device`` (meta: planning allocates nothing) and its inputs, on
+    ``inputs_device`` where given (the model's state on the host, its step on the GPU), made
     after ``torch.manual_seed(inputs_seed)`` where one is given (each rank its own data)."""
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
@@ -64,7 +66,7 @@ def build(name: str, batch: int, device, *, image: int | None = None, seq: int |
     model, inputs = builders[source](model_name, torch.device(device), dict(options or {}))
     if inputs_seed is not None:
         torch.manual_seed(inputs_seed)
-    return inputs(model, batch, image, seq)
+    return inputs(model, batch, image, seq, torch.device(inputs_device or device))
 
 
 def _library(module: str):
@@ -74,8 +76,7 @@ def _library(module: str):
         raise ValueError(f"{module} is not installed: pip install {module}") from None
 
 
-def _images(model: nn.Module, batch: int, size: tuple, classes: int) -> Named:
-    device = next(model.parameters()).device
+def _images(model: nn.Module, batch: int, size: tuple, classes: int, device) -> Named:
     x = torch.randn((batch, *size), device=device)
     y = torch.randint(0, classes, (batch,), device=device) if device.type != "meta" else None
 
@@ -86,7 +87,7 @@ def _images(model: nn.Module, batch: int, size: tuple, classes: int) -> Named:
     return Named(model, (x,), loss=loss, inputs=f"input {tuple(x.shape)}", items=batch)
 
 
-# A builder makes (the model on a device, inputs(model, batch, image, seq) -> Named).
+# A builder makes (the model on a device, inputs(model, batch, image, seq, device) -> Named).
 
 def _torchvision(name, device, options) -> tuple:
     models = _library("torchvision").models
@@ -96,9 +97,9 @@ def _torchvision(name, device, options) -> tuple:
     with torch.device(device):
         model = models.get_model(name, weights=None, **options)
 
-    def inputs(model, batch, image, seq):
+    def inputs(model, batch, image, seq, device):
         size = image or (299 if name == "inception_v3" else 224)
-        return _images(model, batch, (3, size, size), options.get("num_classes", 1000))
+        return _images(model, batch, (3, size, size), options.get("num_classes", 1000), device)
     return model, inputs
 
 
@@ -109,10 +110,10 @@ def _timm(name, device, options) -> tuple:
     with torch.device(device):
         model = timm.create_model(name, pretrained=False, **options)
 
-    def inputs(model, batch, image, seq):
+    def inputs(model, batch, image, seq, device):
         channels, height, width = model.pretrained_cfg.get("input_size", (3, 224, 224))
         size = (channels, image, image) if image else (channels, height, width)
-        return _images(model, batch, size, model.num_classes)
+        return _images(model, batch, size, model.num_classes, device)
     return model, inputs
 
 
@@ -140,7 +141,7 @@ def _hf(name, device, options) -> tuple:
     with torch.device(device):
         model = head.from_config(config)
 
-    def inputs(model, batch, image, seq):
+    def inputs(model, batch, image, seq, device):
         positions = getattr(config, "max_position_embeddings", None) or \
             getattr(config, "n_positions", None) or DEFAULT_SEQUENCE
         length = seq or min(DEFAULT_SEQUENCE, positions)

@@ -35,6 +35,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="train under torch.autocast(dtype=torch.bfloat16) with channels_last, "
                              "the usual way on recent GPUs")
+    parser.add_argument("--state", default="device", choices=["device", "host"],
+                        help="where parameters, gradients and optimizer state live: host "
+                             "streams them to the device layer by layer (models whose state "
+                             "alone exceeds the device)")
     parser.add_argument("--nproc", type=int, default=1,
                         help="data-parallel processes (torchrun, DistributedDataParallel); "
                              "--batch is per process")
@@ -90,9 +94,15 @@ def _train(args, progress: Progress) -> None:
         model, x = model.to(memory_format=torch.channels_last), \
             (x[0].to(memory_format=torch.channels_last),)
 
-    wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
+    if args.state == "host":      # the wrapper streams the state; the rank's group averages
+        import torch.distributed as dist
+        wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy,
+                       state="host", device=device,
+                       process_group=dist.group.WORLD if world > 1 else None)
+    else:
+        wrapped = wrap(model, policy=args.policy, budget=args.budget, strategy=args.strategy)
     stats_of = wrapped
-    if world > 1:   # each rank plans and budgets its own replica
+    if world > 1 and args.state == "device":   # each rank plans and budgets its own replica
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(
             wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -152,6 +162,9 @@ def _train(args, progress: Progress) -> None:
                 ["what", "value"], [
                     ["policy run", stats.policy],
                     ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
+                    ["model state", args.state + (
+                        f", {format_bytes(stats.state_moved_bytes)} moved a step"
+                        if args.state == "host" else "")],
                     [f"{'tokens' if named.unit == 'tok' else 'images'} per second (all "
                      "processes)", f"{world * named.items * args.steps / elapsed:.1f}"],
                     ["first step (with capture) / later steps",
@@ -177,18 +190,19 @@ def _train(args, progress: Progress) -> None:
 
 
 def _named(args, device, rank: int) -> Named:
-    """The model on ``device``, the same initial weights on every rank, and its inputs, each
-    rank its own."""
+    """The model, the same initial weights on every rank, on ``device`` (on the CPU with its
+    state on the host), and its inputs on ``device``, each rank its own."""
+    held = torch.device("cpu") if args.state == "host" else device
     torch.manual_seed(0)
     if is_named(args.model):
-        return build(args.model, args.batch, device, image=args.image, seq=args.seq,
-                     options=settings(args.set), inputs_seed=1 + rank)
+        return build(args.model, args.batch, held, image=args.image, seq=args.seq,
+                     options=settings(args.set), inputs_seed=1 + rank, inputs_device=device)
     if args.seq or args.set:
         raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
                          f"the paper's {args.model}")
     classes = 10 if args.model == "densenet_cifar" else 1000
     model = models.build(args.model, depth=args.depth, growth=args.growth,
-                         num_classes=classes, efficient=args.efficient).to(device)
+                         num_classes=classes, efficient=args.efficient).to(held)
     torch.manual_seed(1 + rank)
     x = torch.randn(models.input_shape(args.model, args.batch, args.image), device=device)
     y = torch.randint(0, classes, (args.batch,), device=device)
