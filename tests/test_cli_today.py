@@ -98,5 +98,7 @@ def test_train_of_a_torchvision_model_with_auxiliary_heads(capsys):
 
 def test_train_with_the_models_state_on_the_host(capsys):
     assert main(["train", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2,
-                 "--steps", "2", "--device", "cpu", "--state", "host"]) == 0
-    assert "│ host, " in capsys.readouterr().out
+                 "--steps", "2", "--device", "cpu", "--state", "host",
+                 "--optimizer", "adamw"]) == 0
+    printed = capsys.readouterr().out
+    assert "│ host, " in printed and "AdamW" in printed

@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cpu", "cuda"])
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                        help="SGD with momentum 0.9 (the paper's), or AdamW (its state twice "
+                             "the parameters' size)")
     parser.add_argument("--bf16", action="store_true",
                         help="train under torch.autocast(dtype=torch.bfloat16) with channels_last, "
                              "the usual way on recent GPUs")
@@ -106,7 +109,8 @@ def _train(args, progress: Progress) -> None:
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(
             wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr) if args.optimizer == "adamw" \
+        else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     progress.say(f"{args.model}, {named.inputs} on {device}")
@@ -162,6 +166,7 @@ def _train(args, progress: Progress) -> None:
                 ["what", "value"], [
                     ["policy run", stats.policy],
                     ["precision", "bf16 autocast, channels_last" if args.bf16 else "fp32"],
+                    ["optimizer", "AdamW" if args.optimizer == "adamw" else "SGD, momentum"],
                     ["model state", args.state + (
                         f", {format_bytes(stats.state_moved_bytes)} moved a step"
                         if args.state == "host" else "")],
