@@ -60,6 +60,13 @@ def network(text: str) -> str:
         "torchvision:NAME, timm:NAME or hf:MODEL")
 
 
+def zoo_options_refused(args) -> None:
+    """A network of the paper takes --depth, --growth and --efficient, not --seq or --set."""
+    if args.seq or args.set:
+        raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
+                         f"the paper's {args.model}")
+
+
 def budget(text: str) -> int:
     """--budget as bytes, read by the parser: a bad size stops there, before a model is built."""
     try:
@@ -76,9 +83,7 @@ def build_meta(args):
         named = build(args.model, args.batch, "meta", image=args.image, seq=args.seq,
                       options=settings(args.set))
         return named.model, named.args, named.kwargs, named.inputs
-    if args.seq or args.set:
-        raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
-                         f"the paper's {args.model}")
+    zoo_options_refused(args)
     with torch.device("meta"):
         model = models.build(args.model, depth=args.depth, growth=args.growth,
                              efficient=args.efficient)

@@ -15,7 +15,7 @@ from .. import models, wrap
 from ..runtime import near_limit
 from ..units import format_bytes
 from .output import print_table
-from .plan_cmd import add_model_arguments, budget
+from .plan_cmd import add_model_arguments, budget, zoo_options_refused
 from .progress import Progress
 from .today import Named, build, is_named, settings
 
@@ -202,9 +202,7 @@ def _named(args, device, rank: int) -> Named:
     if is_named(args.model):
         return build(args.model, args.batch, held, image=args.image, seq=args.seq,
                      options=settings(args.set), inputs_seed=1 + rank, inputs_device=device)
-    if args.seq or args.set:
-        raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
-                         f"the paper's {args.model}")
+    zoo_options_refused(args)
     classes = 10 if args.model == "densenet_cifar" else 1000
     model = models.build(args.model, depth=args.depth, growth=args.growth,
                          num_classes=classes, efficient=args.efficient).to(held)
