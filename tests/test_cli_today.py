@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from superneurons.cli.main import main
-from superneurons.cli.today import build, settings
+from superneurons.cli.today import _images, build, settings
 
 # GPT-2's graph at a size a CPU test trains in a second
 TINY_GPT2 = ["--set", "n_layer=2", "--set", "n_embd=32", "--set", "n_head=2",
@@ -50,7 +50,9 @@ def test_an_hf_budget_too_small_names_the_smallest_that_works(capsys):
     (["torchvision:no_such_model"], "torchvision has no model 'no_such_model'"),
     (["resnet50", "--seq", "8"], "--seq and --set apply to"),
     (["torchvision:resnet18", "--set", "3=4"], "--set takes KEY=VALUE"),
-    (["hf:vit"], "no causal or masked language-model head"),
+    (["hf:vit"], "no causal, masked or sequence-to-sequence language-model head"),
+    (["hf:phi3", "--set", "vocab_size=100"], "building hf:phi3 failed (AssertionError"),
+    (["torchvision:resnet18", "--set", "colour=1"], "building torchvision:resnet18 failed"),
 ])
 def test_a_model_it_cannot_build_is_said_before_any_work(argv, said, capsys):
     assert main(["plan", *argv, "--batch", "2"]) == 2
@@ -89,11 +91,11 @@ def test_train_of_an_hf_decoder_reports_tokens_a_second(capsys):
     assert loss == loss and 0 < loss < 20
 
 
-def test_train_of_a_torchvision_model_with_auxiliary_heads(capsys):
-    # googlenet returns its auxiliary logits beside the main ones while training
-    assert main(["train", "torchvision:googlenet", "--batch", "2", "--image", "64",
-                 "--set", "num_classes=10", "--steps", "1", "--device", "cpu"]) == 0
-    assert "images per second" in capsys.readouterr().out
+def test_the_loss_of_a_model_with_auxiliary_heads_reads_its_main_logits():
+    # googlenet and inception_v3 return their auxiliary logits beside the main ones in training
+    named = _images(torch.nn.Identity(), 2, (10,), 10, torch.device("cpu"))
+    logits, auxiliary = torch.randn(2, 10), torch.randn(2, 10)
+    assert torch.equal(named.loss((logits, auxiliary)), named.loss(logits))
 
 
 def test_train_with_the_models_state_on_the_host(capsys):
@@ -102,3 +104,17 @@ def test_train_with_the_models_state_on_the_host(capsys):
                  "--optimizer", "adamw"]) == 0
     printed = capsys.readouterr().out
     assert "│ host, " in printed and "AdamW" in printed
+
+
+def test_a_builder_that_computes_while_it_builds_is_planned_from_the_cpu(capsys):
+    # torchvision's RegNets size their stages with tensor arithmetic, which the meta device
+    # cannot run
+    assert main(["plan", "torchvision:regnet_x_400mf", "--batch", "2", "--image", "32"]) == 0
+    assert "torchvision:regnet_x_400mf" in capsys.readouterr().out
+
+
+def test_an_encoder_decoder_plans_with_its_labels_shifted_in(capsys):
+    assert main(["plan", "hf:t5", "--batch", "2", "--seq", "16", "--set", "num_layers=1",
+                 "--set", "d_model=32", "--set", "d_ff=64", "--set", "num_heads=2",
+                 "--set", "d_kv=16", "--set", "vocab_size=128"]) == 0
+    assert "hf:t5, 2 x 16 tokens" in capsys.readouterr().out

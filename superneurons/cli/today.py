@@ -87,6 +87,23 @@ def _images(model: nn.Module, batch: int, size: tuple, classes: int, device) -> 
     return Named(model, (x,), loss=loss, inputs=f"input {tuple(x.shape)}", items=batch)
 
 
+def _made(name: str, device, make) -> nn.Module:
+    """``make()``'s model on ``device``. A builder that computes with tensors while it builds
+    (torchvision's RegNets size their stages so) cannot run on the meta device: it is built on
+    the CPU and moved there. A builder that refuses its arguments says so as a ValueError."""
+    try:
+        try:
+            with torch.device(device):
+                return make()
+        except NotImplementedError:
+            if device.type != "meta":
+                raise
+        return make().to(device)
+    except (AssertionError, TypeError, ValueError) as error:
+        raise ValueError(f"building {name} failed ({type(error).__name__}: {error}); check "
+                         "the --set values") from None
+
+
 # A builder makes (the model on a device, inputs(model, batch, image, seq, device) -> Named).
 
 def _torchvision(name, device, options) -> tuple:
@@ -94,8 +111,8 @@ def _torchvision(name, device, options) -> tuple:
     if name not in models.list_models():
         raise ValueError(f"torchvision has no model {name!r}; torchvision.models.list_models() "
                          "lists them")
-    with torch.device(device):
-        model = models.get_model(name, weights=None, **options)
+    model = _made(f"torchvision:{name}", device,
+                  lambda: models.get_model(name, weights=None, **options))
 
     def inputs(model, batch, image, seq, device):
         size = image or (299 if name == "inception_v3" else 224)
@@ -107,8 +124,8 @@ def _timm(name, device, options) -> tuple:
     timm = _library("timm")
     if not timm.is_model(name):
         raise ValueError(f"timm has no model {name!r}; timm.list_models() lists them")
-    with torch.device(device):
-        model = timm.create_model(name, pretrained=False, **options)
+    model = _made(f"timm:{name}", device,
+                  lambda: timm.create_model(name, pretrained=False, **options))
 
     def inputs(model, batch, image, seq, device):
         channels, height, width = model.pretrained_cfg.get("input_size", (3, 224, 224))
@@ -134,12 +151,15 @@ def _hf(name, device, options) -> tuple:
         head = transformers.AutoModelForMaskedLM
     elif kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         head = transformers.AutoModelForCausalLM
+    elif kind in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:    # T5: labels shifted in
+        head = transformers.AutoModelForSeq2SeqLM
+        if getattr(config, "decoder_start_token_id", None) is None:   # as T5's checkpoints say
+            config.decoder_start_token_id = config.pad_token_id or 0
     else:
-        raise ValueError(f"hf:{name} has no causal or masked language-model head in "
-                         "transformers; wrap such a model in Python (sn.wrap) with its own "
-                         "inputs and loss")
-    with torch.device(device):
-        model = head.from_config(config)
+        raise ValueError(f"hf:{name} has no causal, masked or sequence-to-sequence "
+                         "language-model head in transformers; wrap such a model in Python "
+                         "(sn.wrap) with its own inputs and loss")
+    model = _made(f"hf:{name}", device, lambda: head.from_config(config))
 
     def inputs(model, batch, image, seq, device):
         positions = getattr(config, "max_position_embeddings", None) or \
