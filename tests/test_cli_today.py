@@ -51,6 +51,11 @@ def test_an_hf_budget_too_small_names_the_smallest_that_works(capsys):
     (["resnet50", "--seq", "8"], "--seq and --set apply to"),
     (["torchvision:resnet18", "--set", "3=4"], "--set takes KEY=VALUE"),
     (["hf:vit"], "no causal, masked or sequence-to-sequence language-model head"),
+    (["hf:gpt2", "--set", "n_layers=2"], "has no field n_layers"),
+    (["hf:gpt2", "--set", "n_layer='two'"], "refuses --set n_layer"),
+    (["hf:./no_such_directory"], "no configuration could be read"),
+    (["hf:gpt2", "--seq", "2048"], "at most 1024 tokens a sequence"),
+    (["torchvision:resnet18", "--seq", "16"], "--seq applies to hf: models"),
     (["hf:phi3", "--set", "vocab_size=100"], "building hf:phi3 failed (AssertionError"),
     (["torchvision:resnet18", "--set", "colour=1"], "building torchvision:resnet18 failed"),
 ])
@@ -63,6 +68,19 @@ def test_a_name_of_no_source_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "vit_b_16", "--batch", "2"])
     assert "torchvision:NAME, timm:NAME or hf:MODEL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--seq", "0"), ("--image", "-32"), ("--batch", "0")])
+def test_a_count_below_one_is_refused_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "hf:gpt2" if flag == "--seq" else "torchvision:resnet18", "--batch", "2",
+              flag, value])
+    assert "must be a whole number, 1 or more" in capsys.readouterr().err
+
+
+def test_the_library_refuses_a_count_below_one_too():
+    with pytest.raises(ValueError, match="--seq must be at least 1"):
+        build("hf:gpt2", 2, "meta", seq=0, options=settings(TINY_GPT2[1::2]))
 
 
 def test_settings_read_literals_and_keep_strings():

@@ -37,9 +37,10 @@ def add_model_arguments(parser) -> None:
                         help=f"a network of the paper ({', '.join(sorted(models.ZOO))}) or a "
                              "model of today: torchvision:NAME, timm:NAME, hf:MODEL (an HF "
                              "model type such as gpt2, or a configuration's directory)")
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--image", type=int, help="image size in pixels (default: the usual)")
-    parser.add_argument("--seq", type=int,
+    parser.add_argument("--batch", type=positive, required=True)
+    parser.add_argument("--image", type=positive,
+                        help="image size in pixels (default: the usual)")
+    parser.add_argument("--seq", type=positive,
                         help="tokens per sequence for hf:MODEL (default: up to 1024)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="a torchvision or timm builder's argument, or an HF "
@@ -65,6 +66,18 @@ def zoo_options_refused(args) -> None:
     if args.seq or args.set:
         raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
                          f"the paper's {args.model}")
+
+
+def positive(text: str) -> int:
+    """A count read by the parser (--batch, --image, --seq, --steps): a whole number, 1 or
+    more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more: {text!r}")
+    return value
 
 
 def budget(text: str) -> int:

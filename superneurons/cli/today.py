@@ -56,13 +56,17 @@ def build(name: str, batch: int, device, *, image: int | None = None, seq: int |
     """``name``'s model on ``device`` (meta: planning allocates nothing) and its inputs, on
     ``inputs_device`` where given (the model's state on the host, its step on the GPU), made
     after ``torch.manual_seed(inputs_seed)`` where one is given (each rank its own data)."""
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}")
     source, _, model_name = name.partition(":")
     builders = {"torchvision": _torchvision, "timm": _timm, "hf": _hf}
     if source not in builders or not model_name:
         raise ValueError(f"a model today is named torchvision:NAME, timm:NAME or hf:MODEL, "
                          f"not {name!r}")
+    for flag, value in (("--batch", batch), ("--image", image), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if (image if source == "hf" else seq) is not None:
+        raise ValueError("--seq applies to hf: models and --image to torchvision: and timm: "
+                         f"ones, not to {name}")
     model, inputs = builders[source](model_name, torch.device(device), dict(options or {}))
     if inputs_seed is not None:
         torch.manual_seed(inputs_seed)
@@ -137,15 +141,7 @@ def _timm(name, device, options) -> tuple:
 def _hf(name, device, options) -> tuple:
     transformers = _library("transformers")
     from transformers.models.auto import modeling_auto as auto
-    if "/" in name or name.startswith("."):         # a configuration's directory or hub name
-        config = transformers.AutoConfig.from_pretrained(name, **options)
-    else:
-        try:
-            config = transformers.AutoConfig.for_model(name, **options)
-        except ValueError:
-            raise ValueError(f"transformers has no model type {name!r}; hf:MODEL takes a type "
-                             "such as gpt2, llama or bert, or a configuration's "
-                             "directory") from None
+    config = _hf_config(transformers, name, options)
     kind = config.model_type
     if kind in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         head = transformers.AutoModelForMaskedLM
@@ -162,9 +158,12 @@ def _hf(name, device, options) -> tuple:
     model = _made(f"hf:{name}", device, lambda: head.from_config(config))
 
     def inputs(model, batch, image, seq, device):
-        positions = getattr(config, "max_position_embeddings", None) or \
-            getattr(config, "n_positions", None) or DEFAULT_SEQUENCE
-        length = seq or min(DEFAULT_SEQUENCE, positions)
+        positions = getattr(config, "max_position_embeddings", None)
+        if seq and positions and seq > positions:
+            raise ValueError(f"hf:{name} takes at most {positions} tokens a sequence (its "
+                             f"max_position_embeddings), fewer than --seq {seq}: lower --seq, "
+                             f"or --set max_position_embeddings={seq} where the model allows")
+        length = seq or min(DEFAULT_SEQUENCE, positions or DEFAULT_SEQUENCE)
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device) \
             if device.type != "meta" else torch.empty((batch, length), dtype=torch.long,
                                                       device=device)
@@ -174,3 +173,34 @@ def _hf(name, device, options) -> tuple:
         return Named(model, (), kwargs, loss=lambda out: out.loss,
                      inputs=f"{batch} x {length} tokens", items=batch * length, unit="tok")
     return model, inputs
+
+
+def _hf_config(transformers, name: str, options: dict):
+    """An HF configuration: a model type's defaults, or a directory's or hub name's
+    config.json, with the --set fields, each of which it must know (an unknown one would be
+    kept and never read: a typo would plan the default model)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    local = "/" in name or name.startswith(".")
+    if not local and name not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"transformers has no model type {name!r}; hf:MODEL takes a type such "
+                         "as gpt2, llama or bert, or a configuration's directory")
+
+    def read(**fields):
+        return transformers.AutoConfig.from_pretrained(name, **fields) if local else \
+            transformers.AutoConfig.for_model(name, **fields)
+    try:
+        config = read()
+    except (OSError, ValueError) as error:
+        raise ValueError(f"hf:{name}: no configuration could be read ({error}); give a model "
+                         "type such as gpt2, or a directory holding a config.json") from None
+    unknown = [key for key in options if not hasattr(config, key)]
+    if unknown:
+        raise ValueError(f"hf:{name}'s configuration ({type(config).__name__}) has no field "
+                         f"{', '.join(unknown)}; --set takes its fields, as "
+                         f"{type(config).__name__}.to_dict() lists them")
+    try:
+        return read(**options)
+    except Exception as error:       # the configuration's own checks, whatever their type
+        raise ValueError(f"hf:{name}'s configuration refuses --set "
+                         f"{', '.join(map(str, options))} ({type(error).__name__}: "
+                         f"{error})") from None

@@ -15,14 +15,14 @@ from .. import models, wrap
 from ..runtime import near_limit
 from ..units import format_bytes
 from .output import print_table
-from .plan_cmd import add_model_arguments, budget, zoo_options_refused
+from .plan_cmd import add_model_arguments, budget, positive, zoo_options_refused
 from .progress import Progress
 from .today import Named, build, is_named, settings
 
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--steps", type=_positive, default=10)
+    parser.add_argument("--steps", type=positive, default=10)
     parser.add_argument("--policy", default="superneurons",
                         help="baseline, liveness, offload, recompute, superneurons or auto")
     parser.add_argument("--budget", type=budget,
@@ -45,17 +45,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=1,
                         help="data-parallel processes (torchrun, DistributedDataParallel); "
                              "--batch is per process")
-
-
-def _positive(text: str) -> int:
-    """--steps, read by the parser: at least one step, or there is nothing to report."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of steps, 1 or more: {text!r}")
-    return value
 
 
 def _launch(args) -> None:
