@@ -136,3 +136,14 @@ def test_an_encoder_decoder_plans_with_its_labels_shifted_in(capsys):
                  "--set", "d_model=32", "--set", "d_ff=64", "--set", "num_heads=2",
                  "--set", "d_kv=16", "--set", "vocab_size=128"]) == 0
     assert "hf:t5, 2 x 16 tokens" in capsys.readouterr().out
+
+
+def test_plan_with_the_state_on_the_host_needs_less_device_memory(tmp_path, capsys):
+    peaks = {}
+    for state in ("device", "host"):
+        out = tmp_path / f"{state}.json"
+        assert main(["plan", "hf:gpt2", "--batch", "2", "--seq", "16", *TINY_GPT2,
+                     "--state", state, "--json", str(out)]) == 0
+        peaks[state] = json.loads(out.read_text())["policies"]["superneurons"]["peak_bytes"]
+    assert "state on the host" in capsys.readouterr().out
+    assert peaks["host"] < peaks["device"]

@@ -30,6 +30,9 @@ def add_arguments(parser) -> None:
                              "its replays and the bytes it moves")
     parser.add_argument("--bf16", action="store_true",
                         help="a step under torch.autocast('cuda', dtype=torch.bfloat16)")
+    parser.add_argument("--state", default="device", choices=["device", "host"],
+                        help="plan with parameters, gradients and optimizer state on the "
+                             "device, or in host memory, streamed layer by layer")
 
 
 def add_model_arguments(parser) -> None:
@@ -109,14 +112,16 @@ def run(args) -> None:
     graph = capture(model, example, ("cuda", torch.bfloat16) if args.bf16 else None, kwargs)
     with warnings.catch_warnings(record=True) as said:   # said once, below the table
         warnings.simplefilter("always")
-        plans = {p: plan_graph(graph, p, strategy=args.strategy) for p in POLICIES}
+        plans = {p: plan_graph(graph, p, strategy=args.strategy, state=args.state)
+                 for p in POLICIES}
     any_plan = plans[Policy.SUPERNEURONS]
     # at a policy's floor every tensor it may offload goes to the host: what the host must hold
     rows = [[str(p), format_bytes(pl.peak_bytes),
              f"{pl.peak_bytes / plans[Policy.BASELINE].peak_bytes:.1%}",
              pl.num_extra_computations,
              format_bytes(pl.offloaded_bytes) if p.offloads else "-"] for p, pl in plans.items()]
-    print_table(f"{args.model}, {inputs}{', bf16 autocast' if args.bf16 else ''}: "
+    print_table(f"{args.model}, {inputs}{', bf16 autocast' if args.bf16 else ''}"
+                f"{', state on the host' if args.state == 'host' else ''}: "
                 f"{len(any_plan.order)} layers, resident "
                 f"{format_bytes(any_plan.resident_bytes)}, l_peak "
                 f"{format_bytes(any_plan.max_layer_bytes)} (resident + l_peak = "
@@ -127,7 +132,7 @@ def run(args) -> None:
         print(f"note: {message}")
     chosen = None
     if args.budget:
-        chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy)
+        chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy, args.state)
         blocks = sum(1 for s in chosen.segments
                      if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in s.layers))
         moved = chosen.bytes_to_move()
