@@ -47,15 +47,18 @@ def test_an_hf_budget_too_small_names_the_smallest_that_works(capsys):
 @pytest.mark.parametrize("argv, said", [
     (["hf:no_such_type"], "no model type 'no_such_type'"),
     (["timm:no_such_model"], "timm has no model 'no_such_model'"),
-    (["torchvision:no_such_model"], "torchvision has no model 'no_such_model'"),
+    (["torchvision:no_such_model"], "torchvision:no_such_model is not one of torchvision's"),
     (["resnet50", "--seq", "8"], "--seq and --set apply to"),
     (["torchvision:resnet18", "--set", "3=4"], "--set takes KEY=VALUE"),
     (["hf:vit"], "no causal, masked or sequence-to-sequence language-model head"),
     (["hf:gpt2", "--set", "n_layers=2"], "has no field n_layers"),
+    (["hf:gpt2", "--set", "to_dict=3"], "--set to_dict: not fields"),
+    (["torchvision:fcn_resnet50"], "not one of torchvision's classification models"),
+    (["torchvision:resnet18", "--depth", "50"], "--depth apply to the paper's networks"),
     (["hf:gpt2", "--set", "n_layer='two'"], "refuses --set n_layer"),
     (["hf:./no_such_directory"], "no configuration could be read"),
     (["hf:gpt2", "--seq", "2048"], "at most 1024 tokens a sequence"),
-    (["torchvision:resnet18", "--seq", "16"], "--seq applies to hf: models"),
+    (["torchvision:resnet18", "--seq", "16"], "--seq does not apply to torchvision:resnet18"),
     (["hf:phi3", "--set", "vocab_size=100"], "building hf:phi3 failed (AssertionError"),
     (["torchvision:resnet18", "--set", "colour=1"], "building torchvision:resnet18 failed"),
 ])
@@ -147,3 +150,29 @@ def test_plan_with_the_state_on_the_host_needs_less_device_memory(tmp_path, caps
         peaks[state] = json.loads(out.read_text())["policies"]["superneurons"]["peak_bytes"]
     assert "state on the host" in capsys.readouterr().out
     assert peaks["host"] < peaks["device"]
+
+
+def test_a_legacy_hf_field_is_read_into_its_new_one():
+    # Llama's configuration reads rope_theta into rope_parameters: not refused as unknown
+    named = build("hf:llama", 1, "meta", seq=8, options=settings(
+        ["num_hidden_layers=1", "hidden_size=32", "intermediate_size=64",
+         "num_attention_heads=2", "num_key_value_heads=2", "vocab_size=64", "rope_theta=5e5"]))
+    assert named.model.config.rope_parameters["rope_theta"] == 5e5
+
+
+def test_a_masked_lm_from_a_configurations_directory(tmp_path, capsys):
+    from transformers import BertConfig
+    BertConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+               num_attention_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{tmp_path}", "--batch", "2", "--seq", "8", "--state", "host",
+                 "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["inputs"] == "2 x 8 tokens" and record["state"] == "host"
+    named = build(f"hf:{tmp_path}", 2, "meta", seq=8)
+    assert type(named.model).__name__ == "BertForMaskedLM"
+
+
+def test_a_timm_image_size_given_to_its_builder_sizes_the_inputs():
+    named = build("timm:vit_tiny_patch16_224", 1, "meta", options={"img_size": 32})
+    assert named.inputs == "input (1, 3, 32, 32)"

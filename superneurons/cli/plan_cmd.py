@@ -64,11 +64,19 @@ def network(text: str) -> str:
         "torchvision:NAME, timm:NAME or hf:MODEL")
 
 
-def zoo_options_refused(args) -> None:
-    """A network of the paper takes --depth, --growth and --efficient, not --seq or --set."""
-    if args.seq or args.set:
+def options_refused(args) -> None:
+    """A network of the paper takes --depth, --growth and --efficient; a model of today --seq
+    and --set: each refuses the other's."""
+    if is_named(args.model):
+        given = [flag for flag, value in (("--depth", args.depth), ("--growth", args.growth),
+                                          ("--efficient", args.efficient)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to the paper's networks, not to "
+                             f"{args.model}: drop them (--set sets its builder's arguments)")
+    elif args.seq or args.set:
         raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "
-                         f"the paper's {args.model}")
+                         f"the paper's {args.model}: drop them (--depth and --growth shape "
+                         "its networks)")
 
 
 def positive(text: str) -> int:
@@ -94,12 +102,12 @@ def budget(text: str) -> int:
 def build_meta(args):
     """(the model on the meta device, its positional inputs, its keyword inputs, the inputs
     as the summary says them): planning allocates nothing."""
+    options_refused(args)
     if is_named(args.model):
         from .today import build
         named = build(args.model, args.batch, "meta", image=args.image, seq=args.seq,
                       options=settings(args.set))
         return named.model, named.args, named.kwargs, named.inputs
-    zoo_options_refused(args)
     with torch.device("meta"):
         model = models.build(args.model, depth=args.depth, growth=args.growth,
                              efficient=args.efficient)
@@ -128,11 +136,12 @@ def run(args) -> None:
                 f"{format_bytes(any_plan.resident_bytes + any_plan.max_layer_bytes)})",
                 ["policy", "predicted peak", "of baseline", "extra layer computations",
                  "to the host a step"], rows)
-    for message in dict.fromkeys(str(w.message) for w in said):
-        print(f"note: {message}")
     chosen = None
     if args.budget:
-        chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy, args.state)
+        with warnings.catch_warnings(record=True) as said_within:
+            warnings.simplefilter("always")
+            chosen = plan_graph(graph, Policy.AUTO, args.budget, args.strategy, args.state)
+        said += said_within
         blocks = sum(1 for s in chosen.segments
                      if any(graph.layers[l].kind in CHECKPOINT_KINDS for l in s.layers))
         moved = chosen.bytes_to_move()
@@ -141,11 +150,14 @@ def run(args) -> None:
               f"or merged blocks), "
               + (f"the cache moves about {format_bytes(moved)} a step to the host and back"
                  if moved else "nothing moved"))
+    for message in dict.fromkeys(str(w.message) for w in said):
+        print(f"note: {message}")
     if args.explain:
         print((chosen or any_plan).explain())
     if args.json:
         write_json(args.json, {
             "model": args.model, "inputs": inputs, "strategy": args.strategy,
+            "state": args.state,
             **({} if is_named(args.model) else {"input_shape": list(example)}),
             "num_layers": len(any_plan.order), "resident_bytes": any_plan.resident_bytes,
             "max_layer_bytes": any_plan.max_layer_bytes, "route": any_plan.route,

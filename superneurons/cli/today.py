@@ -1,11 +1,12 @@
 """Models people train today, named on the command line beside the paper's networks:
 ``torchvision:NAME``, ``timm:NAME`` and ``hf:MODEL`` (HF transformers: a model type such as
-``hf:gpt2``, built from that type's default configuration, or a configuration's directory or hub
-name). Each is built with random weights, with synthetic inputs of the given batch and the loss
+``hf:gpt2``, built from that type's default configuration, or a configuration's directory or
+hub name, either with a ``/``). Each is built with random weights, with synthetic inputs of the given batch and the loss
 its training step would take. ``--set KEY=VALUE`` goes to torchvision's and timm's builders as
 an argument, and to an HF configuration as a field (``--set num_hidden_layers=4``)."""
 
 import ast
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 SOURCES = ("torchvision", "timm", "hf")
-# a language model's tokens per sequence where neither --seq nor its configuration says: GPT-2
-# small's context, the issue's decoder anchor
+# a language model's tokens per sequence unless --seq says: at most GPT-2 small's context, so
+# that a default plan is of a sequence people train at, not of a 128k-token context
 DEFAULT_SEQUENCE = 1024
 
 
@@ -65,8 +66,9 @@ def build(name: str, batch: int, device, *, image: int | None = None, seq: int |
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if (image if source == "hf" else seq) is not None:
-        raise ValueError("--seq applies to hf: models and --image to torchvision: and timm: "
-                         f"ones, not to {name}")
+        raise ValueError(f"{'--image' if source == 'hf' else '--seq'} does not apply to "
+                         f"{name}: drop it (--seq is for hf: models, --image for "
+                         "torchvision: and timm: ones)")
     model, inputs = builders[source](model_name, torch.device(device), dict(options or {}))
     if inputs_seed is not None:
         torch.manual_seed(inputs_seed)
@@ -91,10 +93,11 @@ def _images(model: nn.Module, batch: int, size: tuple, classes: int, device) -> 
     return Named(model, (x,), loss=loss, inputs=f"input {tuple(x.shape)}", items=batch)
 
 
-def _made(name: str, device, make) -> nn.Module:
+def _made(name: str, device, make, options: dict) -> nn.Module:
     """``make()``'s model on ``device``. A builder that computes with tensors while it builds
     (torchvision's RegNets size their stages so) cannot run on the meta device: it is built on
-    the CPU and moved there. A builder that refuses its arguments says so as a ValueError."""
+    the CPU, its weights in host memory, and moved there. A builder that refuses the ``--set``
+    ``options`` says so as a ValueError."""
     try:
         try:
             with torch.device(device):
@@ -104,22 +107,28 @@ def _made(name: str, device, make) -> nn.Module:
                 raise
         return make().to(device)
     except (AssertionError, TypeError, ValueError) as error:
+        if not options:
+            raise
         raise ValueError(f"building {name} failed ({type(error).__name__}: {error}); check "
-                         "the --set values") from None
+                         f"the --set values ({', '.join(options)})") from error
 
 
 # A builder makes (the model on a device, inputs(model, batch, image, seq, device) -> Named).
 
 def _torchvision(name, device, options) -> tuple:
     models = _library("torchvision").models
-    if name not in models.list_models():
-        raise ValueError(f"torchvision has no model {name!r}; torchvision.models.list_models() "
-                         "lists them")
+    # classification models: detection and segmentation builders fetch backbone weights, and
+    # video, optical-flow and quantized models take other inputs than a batch of images
+    if name not in models.list_models(module=models):
+        raise ValueError(f"torchvision:{name} is not one of torchvision's classification "
+                         "models, which torchvision.models.list_models(module=torchvision."
+                         "models) lists; wrap other models in Python (sn.wrap) with their own "
+                         "inputs and loss")
     model = _made(f"torchvision:{name}", device,
-                  lambda: models.get_model(name, weights=None, **options))
+                  lambda: models.get_model(name, weights=None, **options), options)
 
     def inputs(model, batch, image, seq, device):
-        size = image or (299 if name == "inception_v3" else 224)
+        size = image or options.get("image_size") or (299 if name == "inception_v3" else 224)
         return _images(model, batch, (3, size, size), options.get("num_classes", 1000), device)
     return model, inputs
 
@@ -129,10 +138,11 @@ def _timm(name, device, options) -> tuple:
     if not timm.is_model(name):
         raise ValueError(f"timm has no model {name!r}; timm.list_models() lists them")
     model = _made(f"timm:{name}", device,
-                  lambda: timm.create_model(name, pretrained=False, **options))
+                  lambda: timm.create_model(name, pretrained=False, **options), options)
 
     def inputs(model, batch, image, seq, device):
         channels, height, width = model.pretrained_cfg.get("input_size", (3, 224, 224))
+        image = image or options.get("img_size")         # a size given to timm's builder
         size = (channels, image, image) if image else (channels, height, width)
         return _images(model, batch, size, model.num_classes, device)
     return model, inputs
@@ -155,20 +165,22 @@ def _hf(name, device, options) -> tuple:
         raise ValueError(f"hf:{name} has no causal, masked or sequence-to-sequence "
                          "language-model head in transformers; wrap such a model in Python "
                          "(sn.wrap) with its own inputs and loss")
-    model = _made(f"hf:{name}", device, lambda: head.from_config(config))
+    model = _made(f"hf:{name}", device, lambda: head.from_config(config), options)
+    text = config.get_text_config()      # a multimodal model's language part holds these
+    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def inputs(model, batch, image, seq, device):
-        positions = getattr(config, "max_position_embeddings", None)
+        positions = getattr(text, "max_position_embeddings", None)
         if seq and positions and seq > positions:
             raise ValueError(f"hf:{name} takes at most {positions} tokens a sequence (its "
                              f"max_position_embeddings), fewer than --seq {seq}: lower --seq, "
                              f"or --set max_position_embeddings={seq} where the model allows")
         length = seq or min(DEFAULT_SEQUENCE, positions or DEFAULT_SEQUENCE)
-        ids = torch.randint(0, config.vocab_size, (batch, length), device=device) \
+        ids = torch.randint(0, text.vocab_size, (batch, length), device=device) \
             if device.type != "meta" else torch.empty((batch, length), dtype=torch.long,
                                                       device=device)
         kwargs = {"input_ids": ids, "labels": ids}
-        if getattr(config, "use_cache", False):
+        if takes_cache:
             kwargs["use_cache"] = False             # a training step keeps no cache of keys
         return Named(model, (), kwargs, loss=lambda out: out.loss,
                      inputs=f"{batch} x {length} tokens", items=batch * length, unit="tok")
@@ -183,24 +195,35 @@ def _hf_config(transformers, name: str, options: dict):
     local = "/" in name or name.startswith(".")
     if not local and name not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"transformers has no model type {name!r}; hf:MODEL takes a type such "
-                         "as gpt2, llama or bert, or a configuration's directory")
+                         "as gpt2, llama or bert, or a configuration's directory or hub name "
+                         "with a / in it (hf:./my-model, hf:org/name)")
 
     def read(**fields):
         return transformers.AutoConfig.from_pretrained(name, **fields) if local else \
             transformers.AutoConfig.for_model(name, **fields)
+    from huggingface_hub.errors import StrictDataclassError
+    refusals = (OSError, ValueError, TypeError, AttributeError, StrictDataclassError)
     try:
         config = read()
-    except (OSError, ValueError) as error:
+    except refusals as error:
         raise ValueError(f"hf:{name}: no configuration could be read ({error}); give a model "
-                         "type such as gpt2, or a directory holding a config.json") from None
-    unknown = [key for key in options if not hasattr(config, key)]
+                         "type such as gpt2, or a directory holding a config.json") from error
+    methods = [key for key in options if callable(getattr(type(config), key, None))
+               or isinstance(getattr(type(config), key, None), property)]
+    if methods:
+        raise ValueError(f"--set {', '.join(methods)}: not fields of hf:{name}'s configuration "
+                         f"({type(config).__name__}), whose fields its to_dict() lists")
+    try:
+        configured = read(**options)
+    except refusals as error:
+        raise ValueError(f"hf:{name}'s configuration refuses --set "
+                         f"{', '.join(options)} ({type(error).__name__}: {error})") from error
+    # a name the configuration neither has nor reads (a legacy one, such as Llama's rope_theta,
+    # is read into another field) is kept as given and never used: a typo would plan the default
+    known, kept = {*config.to_dict(), *getattr(config, "attribute_map", {})}, configured.to_dict()
+    unknown = [key for key in options if key not in known and key in kept]
     if unknown:
         raise ValueError(f"hf:{name}'s configuration ({type(config).__name__}) has no field "
                          f"{', '.join(unknown)}; --set takes its fields, as "
-                         f"{type(config).__name__}.to_dict() lists them")
-    try:
-        return read(**options)
-    except Exception as error:       # the configuration's own checks, whatever their type
-        raise ValueError(f"hf:{name}'s configuration refuses --set "
-                         f"{', '.join(map(str, options))} ({type(error).__name__}: "
-                         f"{error})") from None
+                         f"{type(config).__name__}().to_dict() lists them")
+    return configured

@@ -15,7 +15,7 @@ from .. import models, wrap
 from ..runtime import near_limit
 from ..units import format_bytes
 from .output import print_table
-from .plan_cmd import add_model_arguments, budget, positive, zoo_options_refused
+from .plan_cmd import add_model_arguments, budget, options_refused, positive
 from .progress import Progress
 from .today import Named, build, is_named, settings
 
@@ -31,7 +31,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--strategy", default="cost-aware")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cpu", "cuda"])
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--lr", type=float,
+                        help="learning rate (default: 0.01 for SGD, 0.001 for AdamW, each "
+                             "PyTorch's usual order)")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
                         help="SGD with momentum 0.9 (the paper's), or AdamW (its state twice "
                              "the parameters' size)")
@@ -42,8 +44,9 @@ def add_arguments(parser) -> None:
                         help="where parameters, gradients and optimizer state live: host "
                              "streams them to the device layer by layer (models whose state "
                              "alone exceeds the device)")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="data-parallel processes (torchrun, DistributedDataParallel); "
+    parser.add_argument("--nproc", type=positive, default=1,
+                        help="data-parallel processes under torchrun (DistributedDataParallel; "
+                             "with --state host the wrapper averages the gradients itself); "
                              "--batch is per process")
 
 
@@ -98,8 +101,12 @@ def _train(args, progress: Progress) -> None:
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(
             wrapped, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr) if args.optimizer == "adamw" \
-        else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(),
+                                      lr=1e-3 if args.lr is None else args.lr)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01 if args.lr is None else args.lr,
+                                    momentum=0.9)
     # under bf16 autocast the plan counts bf16 bytes (capture/autocast.py)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
     progress.say(f"{args.model}, {named.inputs} on {device}")
@@ -186,12 +193,12 @@ def _train(args, progress: Progress) -> None:
 def _named(args, device, rank: int) -> Named:
     """The model, the same initial weights on every rank, on ``device`` (on the CPU with its
     state on the host), and its inputs on ``device``, each rank its own."""
+    options_refused(args)
     held = torch.device("cpu") if args.state == "host" else device
     torch.manual_seed(0)
     if is_named(args.model):
         return build(args.model, args.batch, held, image=args.image, seq=args.seq,
                      options=settings(args.set), inputs_seed=1 + rank, inputs_device=device)
-    zoo_options_refused(args)
     classes = 10 if args.model == "densenet_cifar" else 1000
     model = models.build(args.model, depth=args.depth, growth=args.growth,
                          num_classes=classes, efficient=args.efficient).to(held)
