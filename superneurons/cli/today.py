@@ -201,7 +201,10 @@ def _hf_config(transformers, name: str, options: dict):
     def read(**fields):
         return transformers.AutoConfig.from_pretrained(name, **fields) if local else \
             transformers.AutoConfig.for_model(name, **fields)
-    from huggingface_hub.errors import StrictDataclassError
+    try:                              # the configurations' own checks, in hub releases with them
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        StrictDataclassError = ValueError
     refusals = (OSError, ValueError, TypeError, AttributeError, StrictDataclassError)
     try:
         config = read()
