@@ -54,7 +54,9 @@ def test_an_hf_budget_too_small_names_the_smallest_that_works(capsys):
     (["hf:gpt2", "--set", "n_layers=2"], "has no field n_layers"),
     (["hf:gpt2", "--set", "to_dict=3"], "--set to_dict: not fields"),
     (["torchvision:fcn_resnet50"], "not one of torchvision's classification models"),
-    (["torchvision:resnet18", "--depth", "50"], "--depth apply to the paper's networks"),
+    (["torchvision:resnet18", "--depth", "50"], "--depth applies to the paper's networks"),
+    (["hf:gpt2", "--set", "vocab_size=0"], "--set a vocab_size of 1 or more"),
+    (["hf:gemma3", "--set", "num_hidden_layers=2"], "--set text_config="),
     (["hf:gpt2", "--set", "n_layer='two'"], "refuses --set n_layer"),
     (["hf:./no_such_directory"], "no configuration could be read"),
     (["hf:gpt2", "--seq", "2048"], "at most 1024 tokens a sequence"),
@@ -158,6 +160,11 @@ def test_a_legacy_hf_field_is_read_into_its_new_one():
         ["num_hidden_layers=1", "hidden_size=32", "intermediate_size=64",
          "num_attention_heads=2", "num_key_value_heads=2", "vocab_size=64", "rope_theta=5e5"]))
     assert named.model.config.rope_parameters["rope_theta"] == 5e5
+    # so is a property with a setter (torch_dtype sets dtype)
+    assert build("hf:llama", 1, "meta", seq=8, options=settings(
+        ["num_hidden_layers=1", "hidden_size=32", "intermediate_size=64",
+         "num_attention_heads=2", "num_key_value_heads=2", "vocab_size=64",
+         "torch_dtype='float32'"])).model.config.dtype == torch.float32
 
 
 def test_a_masked_lm_from_a_configurations_directory(tmp_path, capsys):
@@ -169,8 +176,11 @@ def test_a_masked_lm_from_a_configurations_directory(tmp_path, capsys):
                  "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["inputs"] == "2 x 8 tokens" and record["state"] == "host"
-    named = build(f"hf:{tmp_path}", 2, "meta", seq=8)
+    named = build(f"hf:{tmp_path}", 2, "meta", seq=8, options={"num_hidden_layers": 2})
     assert type(named.model).__name__ == "BertForMaskedLM"
+    assert named.model.config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="has no field num_layers"):  # a typo, not dropped
+        build(f"hf:{tmp_path}", 2, "meta", seq=8, options={"num_layers": 2})
 
 
 def test_a_timm_image_size_given_to_its_builder_sizes_the_inputs():

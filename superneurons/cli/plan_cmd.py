@@ -71,7 +71,8 @@ def options_refused(args) -> None:
         given = [flag for flag, value in (("--depth", args.depth), ("--growth", args.growth),
                                           ("--efficient", args.efficient)) if value]
         if given:
-            raise ValueError(f"{', '.join(given)} apply to the paper's networks, not to "
+            raise ValueError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} "
+                             f"to the paper's networks, not to "
                              f"{args.model}: drop them (--set sets its builder's arguments)")
     elif args.seq or args.set:
         raise ValueError("--seq and --set apply to torchvision:, timm: and hf: models, not to "

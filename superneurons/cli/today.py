@@ -106,7 +106,7 @@ def _made(name: str, device, make, options: dict) -> nn.Module:
             if device.type != "meta":
                 raise
         return make().to(device)
-    except (AssertionError, TypeError, ValueError) as error:
+    except (AssertionError, ImportError, TypeError, ValueError) as error:
         if not options:
             raise
         raise ValueError(f"building {name} failed ({type(error).__name__}: {error}); check "
@@ -170,6 +170,9 @@ def _hf(name, device, options) -> tuple:
     takes_cache = "use_cache" in inspect.signature(model.forward).parameters
 
     def inputs(model, batch, image, seq, device):
+        if text.vocab_size < 1:
+            raise ValueError(f"hf:{name} has a vocabulary of {text.vocab_size}: --set a "
+                             "vocab_size of 1 or more")
         positions = getattr(text, "max_position_embeddings", None)
         if seq and positions and seq > positions:
             raise ValueError(f"hf:{name} takes at most {positions} tokens a sequence (its "
@@ -211,22 +214,35 @@ def _hf_config(transformers, name: str, options: dict):
     except refusals as error:
         raise ValueError(f"hf:{name}: no configuration could be read ({error}); give a model "
                          "type such as gpt2, or a directory holding a config.json") from error
+    # a method, or a property with no setter, is not a field (a property with one, such as
+    # rope_scaling or torch_dtype, is how a configuration takes a legacy name)
     methods = [key for key in options if callable(getattr(type(config), key, None))
-               or isinstance(getattr(type(config), key, None), property)]
+               or getattr(getattr(type(config), key, None), "fset", True) is None]
     if methods:
         raise ValueError(f"--set {', '.join(methods)}: not fields of hf:{name}'s configuration "
                          f"({type(config).__name__}), whose fields its to_dict() lists")
     try:
-        configured = read(**options)
+        if local:    # from_pretrained sets only the fields its config.json has, and says which
+            configured, unknown = transformers.AutoConfig.from_pretrained(
+                name, return_unused_kwargs=True, **options)
+        else:
+            configured = read(**options)
     except refusals as error:
         raise ValueError(f"hf:{name}'s configuration refuses --set "
                          f"{', '.join(options)} ({type(error).__name__}: {error})") from error
-    # a name the configuration neither has nor reads (a legacy one, such as Llama's rope_theta,
-    # is read into another field) is kept as given and never used: a typo would plan the default
-    known, kept = {*config.to_dict(), *getattr(config, "attribute_map", {})}, configured.to_dict()
-    unknown = [key for key in options if key not in known and key in kept]
+    if not local:
+        # a name the configuration neither has nor reads (a legacy one, such as Llama's
+        # rope_theta, is read into another field) is kept as given and never used: a typo
+        # would plan the default model
+        known = {*config.to_dict(), *getattr(config, "attribute_map", {})}
+        kept = configured.to_dict()
+        unknown = [key for key in options if key not in known and key in kept]
     if unknown:
-        raise ValueError(f"hf:{name}'s configuration ({type(config).__name__}) has no field "
-                         f"{', '.join(unknown)}; --set takes its fields, as "
-                         f"{type(config).__name__}().to_dict() lists them")
+        text = config.get_text_config()
+        nested = text is not config and all(key in text.to_dict() for key in unknown)
+        raise ValueError(
+            f"hf:{name}'s configuration ({type(config).__name__}) has no field "
+            f"{', '.join(unknown)}; --set takes its fields, as its to_dict() lists them"
+            + ("; this one is its text configuration's: --set text_config={...}"
+               if nested else ""))
     return configured
