@@ -175,6 +175,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "training (an encoder-decoder such as T5 keeps copies of its config in its "
                 "parts: pass use_cache=False in the call there). Plain PyTorch's gradients "
                 "then are the ones superneurons reproduces.") from error
+        if "more than 1 value per channel when training" in message:
+            raise ValueError(
+                f"calling {type(model).__name__} with these arguments fails: {message}. A "
+                "batch norm in training mode needs more than one value per channel: train "
+                "with a batch of 2 or more (or inputs large enough to leave more than one "
+                "pixel there).") from error
         raise ValueError(
             f"calling {type(model).__name__} with these arguments fails: {message}. Check "
             "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
