@@ -27,10 +27,8 @@ import superneurons as sn
 import superneurons.runtime.untouched as untouched
 from common import write
 from newcomers_exact import _classifier
-from superneurons.runtime.trial import MAX_TRIED, ROOM_SHARES, TIMED_STEPS
+from superneurons.runtime.trial import LONGEST_TRIAL_STEPS
 
-# a trial at the first step past the first: the chosen plan's steps, then each tried plan's
-TRIAL_STEPS = (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2)
 STEPS_AFTER = 3
 SHARE = 0.8
 
@@ -92,7 +90,7 @@ def train(model, run, args, kwargs, loss_of, each=lambda: None) -> list:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(1)
     losses = []
-    for _ in range(1 + TRIAL_STEPS + STEPS_AFTER):
+    for _ in range(1 + LONGEST_TRIAL_STEPS + STEPS_AFTER):   # the trial begins at step 2
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(run(*args, **kwargs))
         loss.backward()

@@ -68,8 +68,8 @@ def spare_steps() -> int:
     """The steps a superneurons row may run before its timed ones: its calibration (two steps
     and one trusting it, executor Rule 4), a trial of the most plans (trial.py, Rule 7's
     included), and 3 more for a calibration made again."""
-    from superneurons.runtime.trial import MAX_TRIED, ROOM_SHARES, TIMED_STEPS
-    return 3 + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 3
+    from superneurons.runtime.trial import LONGEST_TRIAL_STEPS
+    return 3 + LONGEST_TRIAL_STEPS + 3
 
 
 def per_second(name: str, seconds: list) -> float:

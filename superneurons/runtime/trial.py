@@ -63,6 +63,9 @@ MAX_TRIED = 2
 # while ResNet-50's, moving more, took 6% and 13% more with 6% and 11% less (BENCHMARKS.md,
 # "What a lower budget gives the allocator")
 ROOM_SHARES = (0.1, 0.2)
+# the longest trial, in steps: the running plan's, then each other plan's with its first one
+# (_Trial.schedule), for MAX_TRIED plans and Rule 7's
+LONGEST_TRIAL_STEPS = (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2)
 
 
 class Candidate(NamedTuple):
