@@ -144,3 +144,25 @@ def test_the_budget_leaves_the_headroom_the_environment_names(monkeypatch):
     assert ratio.superneurons_budget(cap) == int(cap * (1 - ratio.CAP_HEADROOM))   # 11.5 GiB
     monkeypatch.setenv(ratio.HEADROOM, "0.15")
     assert ratio.superneurons_budget(cap) == int(cap * 0.85)
+
+
+def test_the_host_state_row_keeps_the_model_and_its_adamw_on_the_host(monkeypatch):
+    """superneurons_host trains the model as superneurons does, its parameters and AdamW's
+    state in host memory (on a machine without a GPU the "device" is the CPU itself)."""
+    def build(name, system, device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4)).to(device)
+        x, y = torch.randn(6, 8, device=device), torch.tensor([0, 1, 2, 3, 0, 1], device=device)
+        return model, (x,), {}, lambda out: torch.nn.functional.cross_entropy(out, y)
+    monkeypatch.setattr(ratio, "build", build)
+    trained = {}
+    for system in ("superneurons", "superneurons_host"):
+        run, step, cap, _ = ratio.prepare("tiny", "fp32", system, None, None, torch.device("cpu"))
+        for _ in range(3):
+            step()
+        trained[system] = [p.detach().clone() for p in run.model.parameters()]
+        assert cap is None and run.state == ("host" if system.endswith("host") else "device")
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in
+               zip(trained["superneurons"], trained["superneurons_host"]))
+    assert "superneurons_host" not in ratio.DEFAULT_SYSTEMS
