@@ -251,6 +251,34 @@ def build_hf_llama():
     return model.train(), (), kwargs, _hf_loss
 
 
+def build_hf_bloom():
+    """BLOOM trains its GELU by a custom autograd Function (GeLUFunction) with a backward of its
+    own, captured whole (capture/functions.py)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4,
+                         hidden_dropout=0.1, attention_dropout=0.1)
+    model = BloomForCausalLM(config)
+    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                  use_cache=False)
+    return model.train(), (), kwargs, _hf_loss
+
+
+def build_hf_phimoe():
+    """PhiMoE routes by sparsemixer, a custom autograd Function with a backward of its own."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    config = PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
+    model = PhimoeForCausalLM(config)
+    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                  use_cache=False)
+    return model.train(), (), kwargs, _hf_loss
+
+
 def tiny_hf_mixtral():
     """HF Mixtral from a small config (4 experts, top 2, its router loss) and a call of it, for
     the tests of its own paths (it is not in the matrix); deterministic from seed 0."""
@@ -426,6 +454,10 @@ def cases() -> dict[str, Case]:
                         note="GPT2LMHeadModel, padded batch, use_cache=False"),
         "hf_llama": Case("hf_llama", build_hf_llama, "transformers", hf, default=True,
                          note="LlamaForCausalLM (GQA 4/2 heads), padded batch, use_cache=False"),
+        "hf_bloom": Case("hf_bloom", build_hf_bloom, "transformers", hf, default=True,
+                         note="BloomForCausalLM, its GELU a custom autograd Function"),
+        "hf_phimoe": Case("hf_phimoe", build_hf_phimoe, "transformers", hf,
+                          note="PhimoeForCausalLM, its router a custom autograd Function"),
         "hf_bert_mlm": Case("hf_bert_mlm", build_hf_bert_mlm, "transformers", hf, default=True,
                             note="BertForMaskedLM, padded batch"),
         "hf_vit": Case("hf_vit", build_hf_vit, "transformers", hf, default=True,

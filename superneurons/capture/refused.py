@@ -19,16 +19,16 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
         and saved-tensor hooks it enters (torch.autograd.graph.saved_tensors_hooks itself;
         torch.utils.checkpoint's own are captured as the operations they run) would be
         dropped, silently changing the gradients; functorch's transforms (torch.vmap,
-        torch.func.grad) cannot run as layers one at a time. Refused. So is a custom
+        torch.func.grad) cannot run as layers one at a time. Refused. A custom
         torch.autograd.Function applied where it would be differentiated (grad enabled, an
-        input requiring grad): export records its forward's operations and drops its
-        backward, so the step differentiates those operations instead of running the
-        Function's own backward: other gradients, silently (HF's BLOOM trains its GELU by
-        one, whose hand-written backward differs from autograd's in the last bits; a
-        backward that is not the forward's derivative differs by any amount). A
-        torch.library.custom_op with register_autograd is captured whole, and trains bit for
-        bit. torch's Functions whose output carries no gradient are let through
-        (_DROPPED_EXACTLY).
+        input requiring grad) would have its forward's operations recorded and its backward
+        dropped (HF's BLOOM trains its GELU by one, whose hand-written backward differs from
+        autograd's in the last bits): it is called as one operation instead, which keeps its
+        backward (functions.py), unless its call or its forward is one that operation cannot
+        carry (keyword arguments, random numbers, inputs written in place, outputs other than
+        tensors): refused. torch's own Functions are refused, but those whose output carries
+        no gradient (_DROPPED_EXACTLY). A torch.library.custom_op with register_autograd is
+        captured whole, as export records it.
 """
 
 import contextlib
@@ -37,6 +37,8 @@ import threading
 import torch
 import torch.utils.checkpoint
 from torch import nn
+
+from .functions import as_operation
 
 # torch's Functions whose backward dropping leaves the gradients as they are: non-reentrant
 # checkpointing's holder of the inputs, whose output no gradient flows through (its backward
@@ -143,7 +145,13 @@ def autograd_python_watched(seen: list):
                 threading.get_ident() == capturing and \
                 any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-            seen.append(_function_said(cls))
+            if cls.__module__.startswith("torch.") or kwargs:
+                seen.append(_function_said(cls))
+            else:
+                out, refusal = as_operation(cls, args)
+                if refusal is None:
+                    return out
+                seen.append(refusal)
         return apply.__get__(None, cls)(*args, **kwargs)
     torch.Tensor.register_hook, saved_tensors_hooks.__enter__ = hooked, entered
     function.apply = classmethod(applied)
@@ -174,10 +182,10 @@ def autograd_python_refusal(model: nn.Module, seen: list) -> ValueError:
     return ValueError(
         f"{type(model).__name__}'s forward {' and '.join(dict.fromkeys(seen))}: superneurons "
         "runs the graph it captured instead of the forward, which drops the hooks a forward "
-        "sets up and a custom autograd Function's own backward (the step would differentiate "
-        "its forward's operations instead) and cannot run functorch's transforms one layer at "
-        "a time, so its steps would not compute plain PyTorch's gradients. Register gradient "
-        "hooks on the wrapped model's output or parameters outside the forward; make a custom "
-        "Function a torch.library.custom_op with register_autograd (captured whole), or "
-        "replace it by its forward's operations in the model itself; or wrap the parts of the "
-        "model that do not use them.")
+        "sets up and the own backward of a custom autograd Function it cannot call as one "
+        "operation (the step would differentiate its forward's operations instead) and cannot "
+        "run functorch's transforms one layer at a time, so its steps would not compute plain "
+        "PyTorch's gradients. Register gradient hooks on the wrapped model's output or "
+        "parameters outside the forward; make a custom Function a torch.library.custom_op "
+        "with register_autograd (captured whole), or replace it by its forward's operations in "
+        "the model itself; or wrap the parts of the model that do not use them.")

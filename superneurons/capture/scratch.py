@@ -26,6 +26,9 @@ Rule 5: torch.nn layers whose backward is one kernel writing the input gradient 
         linear, batch norm, ReLU, pooling, dropout; cat and add) are not run backward: they have
         no scratch to find, and their meta backward is a Python decomposition, run once per
         layer on a DenseNet-BC, whose layers all differ (the memo never hits).
+Rule 6: a custom autograd Function captured whole (functions.py) is one operation to this mode,
+        which would see its outputs alone: its forward is run under the mode, operation by
+        operation, so that its temporaries are its scratch as a module's are.
 """
 
 import operator
@@ -35,6 +38,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .functions import FUNCTION_OP, run_forward
 
 __all__ = ["LiveBytes", "backward_scratch", "one_kernel_backward"]
 
@@ -82,6 +87,9 @@ class LiveBytes(TorchDispatchMode):
         self._tracked = set()          # id() of live storages; a finalizer removes each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is FUNCTION_OP._opoverload:                                    # Rule 6
+            with self:
+                return run_forward(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random = True

@@ -59,6 +59,7 @@ class _Fetch(torch.autograd.Function):
     def forward(ctx, host, tier, box):
         ctx.tier, ctx.host = tier, host
         tier.fetches.add(ctx)           # Rule 3: a use of ``host`` a backward may reach
+        ctx.set_materialize_grads(False)    # a use that gave no gradient: None, not zeros
         return box[0]
 
     @staticmethod
@@ -340,7 +341,7 @@ class StateTier:
             raise RuntimeError("backward(create_graph=True) is not supported with state='host' "
                                "(the copies' gradients are sent to host memory): keep the state "
                                "on the device for second-order gradients")
-        if grad.is_sparse:
+        if grad is not None and grad.is_sparse:
             raise RuntimeError("a sparse gradient reached a parameter kept on the host")
         if not self.finishing:
             self.finishing = True
@@ -356,17 +357,23 @@ class StateTier:
         if arrived is None:
             arrived = self.arrived[key] = [0, None, host]
         arrived[0] += 1
-        arrived[1] = grad if arrived[1] is None else arrived[1] + grad
+        if grad is not None:
+            arrived[1] = grad if arrived[1] is None else arrived[1] + grad
         if arrived[0] >= self.reaching.get(key, 1):
             self._complete(self.arrived.pop(key))
         self._drop_sent()
 
     def _complete(self, arrived) -> None:
         """A parameter's gradient is complete here: sent, or first averaged over the process
-        group (Rule 6), whose fixed order may hand on several at once."""
+        group (Rule 6), whose fixed order may hand on several at once. Where no use gave one
+        (a custom Function's backward returned None for it), .grad stays as plain PyTorch
+        leaves it; the group averages zeros, as every rank averages every parameter."""
         if self.round is None:
-            self._send(arrived)
+            if arrived[1] is not None:
+                self._send(arrived)
             return
+        if arrived[1] is None:
+            arrived[1] = torch.zeros(arrived[2].shape, dtype=arrived[2].dtype, device=self.device)
         for host, grad, replaces in self.round.ready(arrived[2], arrived[1]):
             self._send((None, grad, host), replaces)
 
