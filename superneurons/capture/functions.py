@@ -73,7 +73,14 @@ def as_operation(function: type, args: tuple) -> tuple:
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
+    """The same constants: each the same object, or of one type and equal (an object whose
+    comparison raises, or gives no truth value, counts as another)."""
+    def equal(x, y) -> bool:
+        try:
+            return type(x) is type(y) and bool(x == y)
+        except Exception:                                  # noqa: BLE001 -- any __eq__
+            return False
+    return len(a) == len(b) and all(x is y or equal(x, y) for x, y in zip(a, b))
 
 
 def _arguments(call: _Call, tensors: list) -> list:

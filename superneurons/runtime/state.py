@@ -17,6 +17,8 @@ Rule 3: a copy's gradient is summed on the device over the uses of its parameter
         there (accumulation over micro-batches: AccumulateGrad adds in place). The gradient
         never waits on the device for the rest of backward. A backward that raises sets no
         .grad (autograd runs no callback after an error); the next step drops what it sent.
+        Uses that delivered no gradient (a custom Function's backward returned None for the
+        parameter) leave .grad as plain PyTorch leaves it.
 Rule 4: a buffer a layer writes in place (running statistics) is copied back to the host after
         the layer, in stream order; host reads are safe once backward has ended (Rule 3 waits).
         A replay writes only its own copies.
