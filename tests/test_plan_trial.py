@@ -340,6 +340,7 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
 
     first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
     steps = first + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 2
+    steps += 3 if device == "cuda" else 0         # a calibration made again: the trial later
     plain = trained(copy.deepcopy(model), x, y, steps)
     wrapped = sn.wrap(model, "superneurons", budget)
     retries = [0]                 # the allocator's count, faked: one retry in the step before
@@ -360,10 +361,16 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
         ran.append(clock.running.budget_bytes)
         assert wrapped.stats.peak_bytes <= clock.running.budget_bytes <= budget
         assert wrapped.stats.budget_bytes == clock.running.callers_budget_bytes == budget
-        retries[0] += len(ran) == first          # the step before the trial's first
+        # every step retries: on CUDA the calibration decides which step the trial follows
+        retries[0] += 1
     losses, after = trained(wrapped, x, y, steps, each)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], losses))
     assert all(torch.equal(a, b) for a, b in zip(plain[1], after))
+    executor = wrapped._last[1]
+    assert wrapped.plan_trials, (
+        f"no trial: budget {budget}, floor {floor}, what the model does not own "
+        f"{executor.foreign_bytes}, calibrated excess {executor.calibration.excess_bytes}, "
+        f"calibrating {executor.calibration.active}")
     record, = wrapped.plan_trials
     gave = [p["gives_bytes"] for p in record["plans"]]
     assert record["plans"][record["kept"]]["gives_bytes"] == max(gave) > 0

@@ -178,7 +178,10 @@ def _train(args, progress: Progress) -> None:
                      f"{first.machine_seconds:.2f} s / {first.host_check_seconds:.2f} s"],
                     ["first step: host memory taken / allocator read",
                      f"{first.host_memory_seconds:.2f} s / {first.calibration_seconds:.2f} s"],
-                    ["predicted peak", format_bytes(stats.predicted_peak_bytes)],
+                    ["predicted peak" + (" + what the model does not own" if stats.measured
+                                         else ""),
+                     format_bytes(stats.predicted_peak_bytes) + (
+                         f" + {format_bytes(stats.foreign_bytes)}" if stats.measured else "")],
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
                     *([["allocator retries, last step (its limit reached)",

@@ -459,7 +459,7 @@ class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
         kwargs = without_full_mask(self.model, kwargs)                   # capture/hf.py Rule 2
         self._count_outside_gradients(stacklevel=4)                      # Rule 9
         key, (plan, executor), foreign = self._planned(args, kwargs)
-        made = self._unreported.pop(key, {})          # the plan's making, on its first step
+        made = {**self._unreported.pop(key, {}), "foreign_bytes": foreign or 0}   # StepStats
         device = executor.device if executor is not None else \
             self._device([t for t in pytree.tree_leaves((args, kwargs))
                           if isinstance(t, torch.Tensor)])

@@ -44,6 +44,10 @@ class StepStats:
     machine_seconds: float = 0.0
     # the step ran a plan tried on the machine, or the chosen one while timed (module Rule 10)
     trying: bool = False
+    # CUDA: the device bytes the model does not own (the optimizer's state, the caller's other
+    # tensors), read before the step: the budget holds them beside the plan's predicted peak,
+    # and the measured peak counts them
+    foreign_bytes: int = 0
 
     @property
     def setup_seconds(self) -> float:
@@ -77,4 +81,5 @@ def step_stats(plan, executor, device: torch.device, budget_bytes: int | None,
                      executor.recomputed_layers, cuda, pool.host_memory.taking_seconds,
                      executor.calibration_seconds,
                      executor.tier.moved_bytes if executor.tier is not None else 0,
-                     executor.drained_convolutions, retries, **made)
+                     executor.drained_convolutions, retries,
+                     **{**made, "foreign_bytes": executor.foreign_bytes})
