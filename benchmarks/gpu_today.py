@@ -3,7 +3,8 @@ fractions of plain PyTorch's own peak memory.
 
     python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N] [--bf16]
                                                       # resnet50, efficientnet_b0, convnext_tiny,
-                                                      # vit_b_16, HF GPT-2: plain-vs-plain
+                                                      # vit_b_16, HF GPT-2 and BLOOM:
+                                                      # plain-vs-plain
                                                       # control, then
                                                       # every policy at a budget that forces it:
                                                       # F of the way from the policy's floor to
@@ -64,7 +65,15 @@ def _exact_cases(device):
         "vit_b_16": (_vision("vit_b_16"), lambda: image_batch(224)),
         "hf_gpt2": (lambda: _gpt2(layers=4, width=256, heads=4, positions=256, vocab=1000),
                     tokens),
+        # its GELU a custom autograd Function, captured whole (capture/functions.py)
+        "hf_bloom": (_bloom, tokens),
     }
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(vocab_size=1000, hidden_size=256, n_layer=4, n_head=4,
+                                        hidden_dropout=0.1, attention_dropout=0.1))
 
 
 def _train(model, args, kwargs, loss_of, steps=3, drained=None, bf16=False, peaks=None):
