@@ -144,16 +144,6 @@ def test_the_functions_own_backward_is_what_runs():
     assert not torch.equal(own, model.a.weight.grad)
 
 
-class RandomScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * torch.rand_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class DoubledInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -185,13 +175,165 @@ class Applies(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-@pytest.mark.parametrize("function, said", [
-    (RandomScale, "RandomScale, whose forward draws random numbers"),
-    (DoubledInPlace, "DoubledInPlace, which writes its inputs in place"),
-    (WithCount, "WithCount, which returns something other than tensors")])
-def test_a_function_its_operation_cannot_carry_is_refused(function, said):
+class ScaledBy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module):
+        return x * module.weight.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class AppliesToModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return ScaledBy.apply(self.a(x), self.a)
+
+
+@pytest.mark.parametrize("model, said", [
+    (Applies(DoubledInPlace), "DoubledInPlace, which writes its inputs in place"),
+    (Applies(WithCount), "WithCount, which returns something other than tensors"),
+    (AppliesToModule(), "ScaledBy to a module, whose tensors the captured graph would not see")])
+def test_a_function_its_operation_cannot_carry_is_refused(model, said):
     with pytest.raises(ValueError, match=said):
-        sn.wrap(Applies(function), policy="recompute")(X)
+        sn.wrap(model, policy="recompute")(X)
+
+
+class Noisy(torch.autograd.Function):
+    """Draws in its forward and reads the draw in its backward: the backward's forward must
+    draw the same numbers, and leave the generator where the step left it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = torch.rand_like(x)
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise * 3.0
+
+
+class Unused(torch.autograd.Function):
+    """Its second output gets no gradient: its backward, which does not materialize gradients,
+    sees None there, not zeros (0 * inf would be nan)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        return x * 2.0, torch.exp(x * 100.0)
+
+    @staticmethod
+    def backward(ctx, grad, grad_exp):
+        (x,) = ctx.saved_tensors
+        own = grad * 2.0
+        return own if grad_exp is None else own + grad_exp * torch.exp(x * 100.0)
+
+
+class Twice(torch.autograd.Function):
+    """Returns one tensor twice, and a position it marks non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x * 3.0
+        position = x.argmax(dim=-1, keepdim=True).to(x.dtype)
+        ctx.mark_non_differentiable(position)
+        return y, y, position
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b, _):
+        return grad_a * 3.0 + grad_b
+
+
+class ReadsParameter(torch.autograd.Function):
+    """Its backward tells the parameter it was given (in plain PyTorch, the Parameter itself:
+    a backward may write its .grad or read its attributes) from a tensor."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x @ weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        scale = 0.5 if isinstance(weight, nn.Parameter) else 1.0
+        return grad @ weight.t() * scale, grad.sum() * torch.ones_like(weight)
+
+
+class Masked(torch.autograd.Function):
+    """None among its arguments (HF Reformer's reversible layers pass attention_mask=None)."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        return x * 2.0 if mask is None else x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3.0, None
+
+
+class AsTheFunctionSays(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.weight = nn.Parameter(torch.randn(32, 32) / 32)
+
+    def forward(self, x):
+        h = Noisy.apply(Masked.apply(torch.relu(self.a(x)), None))
+        h, _ = Unused.apply(h)
+        first, second, position = Twice.apply(h)
+        h = ReadsParameter.apply(first + second, self.weight)
+        return torch.tanh(self.b(h)) + position.detach() * 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_function_sees_what_it_would_see_in_plain_pytorch(policy):
+    """Rules 1, 3 and 4 of capture/functions.py, with dropout-like draws between steps."""
+    assert_same_training(AsTheFunctionSays(), X, None, policy=policy, loss_fn=_loss)
+
+
+def test_outputs_it_marks_non_differentiable_are_so():
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return Twice.apply(self.a(x))
+    model = Returns()
+    plain = model(X)
+    wrapped = sn.wrap(model, policy="recompute")(X)
+    assert [t.requires_grad for t in wrapped] == [t.requires_grad for t in plain] == \
+        [True, True, False]
+
+
+class Multiplied(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def test_constants_that_compare_equal_but_differ_are_two_calls():
+    class Signed(nn.Module):
+        def forward(self, x):
+            return Multiplied.apply(x, 0.0), Multiplied.apply(x, -0.0)
+    x = torch.ones(2, 3, requires_grad=True)
+    plain = Signed()(x)
+    wrapped = sn.wrap(Signed(), policy="recompute")(x)
+    assert [torch.signbit(t).tolist() for t in wrapped] == \
+        [torch.signbit(t).tolist() for t in plain]
 
 
 class Temporaries(torch.autograd.Function):

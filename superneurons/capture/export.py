@@ -146,7 +146,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
             raise reentrant_refusal(model) from error
         if autograd_python:     # seen before export failed: the cause the user can act on
             raise autograd_python_refusal(model, autograd_python) from error
-        message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:400]}"
+        message = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:400]}"
         # torch 2.11's export fails on a generator argument; later ones lift it (Rule 1)
         generators = _held_generators(model) if "Generator" in str(error) else []
         if generators:

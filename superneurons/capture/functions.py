@@ -10,46 +10,74 @@ runs the Function's forward; its backward runs the forward again on the inputs i
 then the Function's own backward.
 
 Rule 1: exact. The backward's forward is the forward's kernels on the same inputs, under the
-        autocast state the forward ran in: its outputs and what it saves for the Function's
+        autocast state and from the random number generators' states the forward ran with
+        (CPU's and those of the inputs' CUDA devices, as torch.utils.checkpoint keeps them; the
+        generators are put back after): its outputs and what it saves for the Function's
         backward are the forward's bits, so that backward computes plain PyTorch's gradients.
-        A Function whose forward draws random numbers would draw others the second time: it
-        is refused at capture (its forward is run there, on fake tensors, under a watch for
-        operations tagged nondeterministic_seeded).
+        The operation counts as drawing random numbers (scratch.py Rule 6), so a replay of the
+        forward (the executor's) draws the numbers the step drew.
 Rule 2: only what the operation's schema can carry: positional arguments whose tensors the
         pytree finds (others are constants of the call), and a tensor or a tuple or list of
         tensors returned. As autograd does for a Function, only a tensor that is an argument
         itself is differentiated, not one inside a list or dict. A Function that writes an
-        input in place, or returns anything but tensors, is refused at capture (refused.py
-        Rule 4; so is one called with keyword arguments). An output that is an input itself,
-        or its view, is returned as a copy (an operation's outputs may not alias its inputs);
-        its values are the same.
-Rule 3: the forward runs under no_grad: a Function's forward computes the same whether or not
-        autograd records it; it sees needs_input_grad all False (plain PyTorch's sees True
-        where an input requires grad), which a forward that branches on it would notice.
-Rule 4: a call is named by an index into this process's table of Functions and the constants
-        of their calls (the operation's one integer argument); a graph holds it for the
-        process's life.
+        input in place, takes a module (whose tensors the graph would not see) or returns
+        anything but tensors is refused at capture (refused.py Rule 4; so is one called with
+        keyword arguments). An output that is an input itself, another output, or a view of
+        one is returned as a copy (an operation's outputs may not alias its inputs or each
+        other); its values are the same.
+Rule 3: as the Function's own outputs: those it marks non-differentiable (found at capture,
+        on fake tensors) are the operation's too, and an output no later operation gave a
+        gradient reaches its backward as None, which the Function sees as it would (zeros
+        where it materializes them).
+Rule 4: a parameter the Function takes reaches its backward as itself (a backward that writes
+        its .grad or reads its attributes sees the parameter, as in plain PyTorch; it is held,
+        not saved, so the Tensor Pool does not stand in for it); other inputs as tensors of
+        their own, so that its backward stops at them.
+Rule 5: a call is named by an index into this process's table of Functions and the constants
+        of their calls (the operation's one integer argument), constants telling 0.0 from
+        -0.0; a graph holds it for the process's life.
 """
 
+import contextlib
 import dataclasses
+import threading
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FUNCTION_OP", "as_operation", "run_forward"]
+__all__ = ["FUNCTION_OP", "as_operation", "run_forward", "calling"]
 
 
 @dataclasses.dataclass
 class _Call:
     function: type              # the torch.autograd.Function subclass
     spec: pytree.TreeSpec       # of its positional arguments
-    constants: list             # the arguments' leaves, None where a tensor goes
+    constants: list             # the arguments' leaves, _TENSOR where a tensor goes
     single: bool | None = None  # whether its forward returns one tensor (None: not yet run)
-    refusal: str | None = None  # why its forward cannot be captured (Rules 1 and 2)
+    refusal: str | None = None  # why it cannot be captured (Rule 2)
+    non_differentiable: tuple | None = None   # output indices (Rule 3; None: not yet found)
 
 
 _CALLS: list = []
+_TENSOR = object()          # a tensor's place among a call's constants (None is a constant)
+# per thread: the generators' states before the forward the operation ran last (Rule 1), and
+# whether this module is calling a Function itself (refused.py lets such calls through)
+_local = threading.local()
+
+
+def calling() -> bool:
+    """Whether this thread is inside this module's own call of a Function."""
+    return getattr(_local, "calling", False)
+
+
+@contextlib.contextmanager
+def _calling():
+    before, _local.calling = calling(), True
+    try:
+        yield
+    finally:
+        _local.calling = before
 
 
 def as_operation(function: type, args: tuple) -> tuple:
@@ -59,7 +87,11 @@ def as_operation(function: type, args: tuple) -> tuple:
     # Rule 2: a tensor inside an argument carries no gradient through the Function
     tensors = [t for arg in args for t in ([arg] if isinstance(arg, torch.Tensor) else [
         leaf.detach() for leaf in pytree.tree_leaves(arg) if isinstance(leaf, torch.Tensor)])]
-    constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    constants = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    if any(isinstance(c, nn.Module) for c in constants):
+        return None, (f"applies the custom autograd Function {function.__module__}."
+                      f"{function.__qualname__} to a module, whose tensors the captured graph "
+                      "would not see: pass the module's tensors to it instead")
     key = next((i for i, call in enumerate(_CALLS) if call.function is function
                 and call.spec == spec and _same(call.constants, constants)), None)
     if key is None:
@@ -77,7 +109,8 @@ def _same(a: list, b: list) -> bool:
     comparison raises, or gives no truth value, counts as another)."""
     def equal(x, y) -> bool:
         try:
-            return type(x) is type(y) and bool(x == y)
+            return type(x) is type(y) and bool(x == y) and \
+                (not isinstance(x, (float, complex)) or repr(x) == repr(y))    # -0.0, Rule 5
         except Exception:                                  # noqa: BLE001 -- any __eq__
             return False
     return len(a) == len(b) and all(x is y or equal(x, y) for x, y in zip(a, b))
@@ -85,26 +118,17 @@ def _same(a: list, b: list) -> bool:
 
 def _arguments(call: _Call, tensors: list) -> list:
     feed = iter(tensors)
-    leaves = [next(feed) if c is None else c for c in call.constants]
+    leaves = [next(feed) if c is _TENSOR else c for c in call.constants]
     return pytree.tree_unflatten(leaves, call.spec)
 
 
-class _RandomWatch(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.random = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.random = True
-        return func(*args, **(kwargs or {}))
-
-
-def run_forward(key: int, tensors: list) -> list:
-    """The Function's forward on ``tensors`` (Rule 3), its outputs as a list of new tensors
-    (Rule 2)."""
+def run_forward(key: int, tensors: list, keep_random: bool = True) -> list:
+    """The Function's forward on ``tensors``, its outputs as a list of new tensors (Rule 2);
+    ``keep_random``: the generators' states before it are kept for the backward (Rule 1)."""
     call = _CALLS[key]
-    with torch.no_grad():
+    if keep_random:
+        _local.states = _random_states(tensors)
+    with _calling(), torch.no_grad():
         out = call.function.apply(*_arguments(call, tensors))
     single = isinstance(out, torch.Tensor)
     outputs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
@@ -113,8 +137,33 @@ def run_forward(key: int, tensors: list) -> list:
                         "something other than tensors")
         return [t for t in outputs if isinstance(t, torch.Tensor)]
     call.single = single
-    storages = {t.untyped_storage()._cdata for t in tensors}
-    return [o.clone() if o.untyped_storage()._cdata in storages else o for o in outputs]
+    seen, fresh = {t.untyped_storage()._cdata for t in tensors}, []
+    for output in outputs:
+        if output.untyped_storage()._cdata in seen:
+            output = output.clone()
+        seen.add(output.untyped_storage()._cdata)
+        fresh.append(output)
+    return fresh
+
+
+def _random_states(tensors: list) -> tuple:
+    devices = sorted({t.device.index if t.device.index is not None else
+                      torch.cuda.current_device() for t in tensors if t.device.type == "cuda"})
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+@contextlib.contextmanager
+def _random_as(states):
+    """Rule 1: the generators as the forward found them, put back after."""
+    if states is None:
+        yield
+        return
+    cpu, cuda = states
+    with torch.random.fork_rng(devices=[d for d, _ in cuda]):
+        torch.set_rng_state(cpu)
+        for device, state in cuda:
+            torch.cuda.set_rng_state(state, device)
+        yield
 
 
 def _name(call: _Call) -> str:
@@ -122,18 +171,23 @@ def _name(call: _Call) -> str:
 
 
 def _captured_forward(key: int, tensors: list) -> list:
-    """On fake tensors while capture runs, and on the meta device while layers are traced:
-    the forward, watched for random numbers (Rule 1)."""
-    watch, versions = _RandomWatch(), [t._version for t in tensors]
-    with watch:
-        outputs = run_forward(key, tensors)
+    """On fake tensors while capture runs: the forward, checked for inputs written in place
+    (Rule 2), and which outputs the Function marks non-differentiable (Rule 3)."""
+    versions = [t._version for t in tensors]
+    outputs = run_forward(key, tensors, keep_random=False)
     call = _CALLS[key]
-    if call.refusal is None and watch.random:
-        call.refusal = (f"applies the custom autograd Function {_name(call)}, whose forward "
-                        "draws random numbers; its own backward would need them drawn again")
     if call.refusal is None and versions != [t._version for t in tensors]:
         call.refusal = (f"applies the custom autograd Function {_name(call)}, which writes its "
                         "inputs in place")
+    if call.refusal is None and call.non_differentiable is None:
+        # a Function's outputs require grad where any input does, but those it marks
+        probe = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                 for t in tensors]
+        with _calling(), torch.enable_grad():
+            out = call.function.apply(*_arguments(call, probe))
+        call.non_differentiable = tuple(
+            index for index, o in enumerate([out] if call.single else out)
+            if (o.is_floating_point() or o.is_complex()) and not o.requires_grad)
     return outputs
 
 
@@ -147,19 +201,26 @@ FUNCTION_OP.register_fake(_captured_forward)
 
 def _setup_context(ctx, inputs, output) -> None:
     key, tensors = inputs
-    ctx.key = key
+    ctx.key, ctx.random = key, getattr(_local, "states", None)
+    _local.states = None
     ctx.needs = [t.requires_grad for t in tensors]
     ctx.autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                     for device in {t.device.type for t in tensors}
                     if torch.amp.is_autocast_available(device)}
-    ctx.save_for_backward(*tensors)
+    ctx.set_materialize_grads(False)                                            # Rule 3
+    ctx.mark_non_differentiable(*[output[i] for i in _CALLS[key].non_differentiable or ()])
+    # Rule 4: a parameter as itself (saved tensors come back as tensors of their own)
+    ctx.parameters = {i: t for i, t in enumerate(tensors) if isinstance(t, nn.Parameter)}
+    ctx.save_for_backward(*[None if i in ctx.parameters else t for i, t in enumerate(tensors)])
 
 
 def _backward(ctx, grads):
     """Rule 1: the forward again, then the Function's own backward through it."""
     call = _CALLS[ctx.key]
-    inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs)]
-    with torch.enable_grad(), _autocast(ctx.autocast):
+    saved = [ctx.parameters.get(i, t) for i, t in enumerate(ctx.saved_tensors)]
+    inputs = [t if i in ctx.parameters else t.detach().requires_grad_(need)       # Rule 4
+              for i, (t, need) in enumerate(zip(saved, ctx.needs))]
+    with _calling(), _random_as(ctx.random), torch.enable_grad(), _autocast(ctx.autocast):
         out = call.function.apply(*_arguments(call, inputs))
     outputs = [out] if isinstance(out, torch.Tensor) else list(out)
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]

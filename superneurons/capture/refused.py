@@ -25,8 +25,8 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
         dropped (HF's BLOOM trains its GELU by one, whose hand-written backward differs from
         autograd's in the last bits): it is called as one operation instead, which keeps its
         backward (functions.py), unless its call or its forward is one that operation cannot
-        carry (keyword arguments, random numbers, inputs written in place, outputs other than
-        tensors): refused. torch's own Functions are refused, but those whose output carries
+        carry (keyword arguments, a module among its arguments, inputs written in place,
+        outputs other than tensors): refused. torch's own Functions are refused, but those whose output carries
         no gradient (_DROPPED_EXACTLY). A torch.library.custom_op with register_autograd is
         captured whole, as export records it.
 """
@@ -38,7 +38,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .functions import as_operation
+from .functions import as_operation, calling
 
 # torch's Functions whose backward dropping leaves the gradients as they are: non-reentrant
 # checkpointing's holder of the inputs, whose output no gradient flows through (its backward
@@ -141,7 +141,7 @@ def autograd_python_watched(seen: list):
         # torch.library's custom ops run their register_autograd as a Function of torch's own
         # (torch._library.autograd), inside the op export records whole
         if not cls.__module__.startswith("torch._library.") and cls not in _DROPPED_EXACTLY \
-                and torch.is_grad_enabled() and \
+                and not calling() and torch.is_grad_enabled() and \
                 threading.get_ident() == capturing and \
                 any(isinstance(t, torch.Tensor) and t.requires_grad
                     for t in torch.utils._pytree.tree_leaves((args, kwargs))):

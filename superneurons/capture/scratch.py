@@ -28,7 +28,8 @@ Rule 5: torch.nn layers whose backward is one kernel writing the input gradient 
         layer on a DenseNet-BC, whose layers all differ (the memo never hits).
 Rule 6: a custom autograd Function captured whole (functions.py) is one operation to this mode,
         which would see its outputs alone: its forward is run under the mode, operation by
-        operation, so that its temporaries are its scratch as a module's are.
+        operation, so that its temporaries are its scratch as a module's are. It counts as
+        drawing random numbers: an operation inside it may draw untagged (a custom kernel).
 """
 
 import operator
@@ -88,6 +89,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is FUNCTION_OP._opoverload:                                    # Rule 6
+            self.random = True             # whatever it draws, a replay draws again
             with self:
                 return run_forward(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
