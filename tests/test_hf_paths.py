@@ -313,3 +313,36 @@ def test_a_tensor_passed_twice_on_the_meta_device_is_captured_as_a_real_one_is()
                   for i in (ids, ids.to("meta")))
     assert [tuple(layer.inputs) for layer in meta.layers] == \
         [tuple(layer.inputs) for layer in real.layers]
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute"])
+def test_modeling_code_takes_the_path_it_takes_when_called(policy):
+    """hf.py Rule 4: Qwen3-Next's gated delta rule solves its triangular system another way
+    when it is told it is exported (gradients 7e-10 off plain PyTorch's, silently)."""
+    pytest.importorskip("transformers.models.qwen3_next")
+    import torch.nn.functional as F
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+    class GatedDeltaRule(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 104)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v, rest = self.proj(x).split([32, 32, 32, 8], dim=-1)
+            q, k, v = (z.reshape(b, t, 4, 8) for z in (q, k, v))
+            out, _ = qwen3_next.torch_chunk_gated_delta_rule(
+                q, k, v, -F.softplus(rest[..., 4:]), rest[..., :4].sigmoid(), chunk_size=64,
+                use_qk_l2norm_in_kernel=True)
+            return out
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 12, 16), torch.randn(2, 12, 4, 8)
+    torch.manual_seed(1)
+    model = GatedDeltaRule()
+    F.mse_loss(model(x), y).backward()
+    plain = model.proj.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(sn.wrap(model, policy=policy)(x), y).backward()
+    assert torch.equal(plain, model.proj.weight.grad)
+    assert not qwen3_next.is_torchdynamo_exporting()      # outside an export, transformers'

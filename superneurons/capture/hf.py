@@ -30,6 +30,13 @@ Rule 3: a model that builds its own mask of ones (Perceiver, from its inputs) me
         before the first step, naming the parts below the mask's making (the mask they are
         passed has been skipped already): wrapped in its place, Perceiver's encoder trains bit
         for bit.
+Rule 4: beyond the masks, transformers' modeling code asks the same flags to pick export-friendly
+        computations (Qwen3-Next's gated delta rule inverts its triangular system by forward
+        substitution when exported, by torch.linalg.solve_triangular when called: other last
+        bits). While superneurons exports anything, the modeling modules loaded
+        (transformers.models.*) are told they are neither exported nor compiled, as when
+        called. Where the called path cannot be exported (it reads a value), capture fails
+        and the model is refused, loudly.
 """
 
 import contextlib
@@ -131,13 +138,19 @@ def packed_positions(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 def exported_as_called(model: nn.Module, args: tuple, kwargs: dict, packed: bool = False):
     """Rule 1, for the duration of an export of ``model`` called with ``args`` and ``kwargs``;
     ``packed``: packed_positions of the call."""
-    masking = _masking(model)
-    if masking is None or packed or _passes_mask(_named(model, args, kwargs)):
-        yield
-        return
-    _install(masking)
-    with _acting(True):
-        yield
+    _install_modeling()
+    before = getattr(_local, "modeling_as_called", False)
+    _local.modeling_as_called = True                                            # Rule 4
+    try:
+        masking = _masking(model)
+        if masking is None or packed or _passes_mask(_named(model, args, kwargs)):
+            yield
+            return
+        _install(masking)
+        with _acting(True):
+            yield
+    finally:
+        _local.modeling_as_called = before
 
 
 @contextlib.contextmanager
@@ -163,10 +176,23 @@ def _install(masking) -> None:
     masking._superneurons_switches = True
 
 
-def _switch(original, answer):
+def _install_modeling() -> None:
+    """Rule 4's switches in every modeling module loaded, once per module."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or module is None or \
+                getattr(module, "_superneurons_switches", False):
+            continue
+        for flag in ("is_torchdynamo_exporting", "is_torchdynamo_compiling"):
+            if callable(getattr(module, flag, None)):
+                setattr(module, flag, _switch(getattr(module, flag), False,
+                                              when="modeling_as_called"))
+        module._superneurons_switches = True
+
+
+def _switch(original, answer, when: str = "as_called"):
     @functools.wraps(original)
     def switch(*args, **kwargs):
-        if getattr(_local, "as_called", False):
+        if getattr(_local, when, False):
             return answer
         return original(*args, **kwargs)
     return switch
