@@ -290,3 +290,30 @@ def test_a_reader_behind_a_decorator_and_a_helper_is_still_named():
     with pytest.raises(ValueError, match=r"in ReadsInHelper \(1\)\).*children that hold no "
                                          r"ReadsInHelper: 0, 2; model\[0\]"):
         sn.wrap(model)(X)
+
+
+class ComplexRotary(nn.Module):
+    """Rotary embeddings as complex numbers (HF DeepSeek-V2's): a complex product saves its
+    other factor for backward, which a replay must be planned to make again."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.register_buffer("angles", torch.arange(16.0).outer(torch.linspace(0.1, 1.0, 16)))
+
+    def forward(self, x):
+        rotation = torch.polar(torch.ones_like(self.angles), self.angles)   # made each call
+        q = torch.view_as_complex(self.q(x).reshape(*x.shape[:-1], 16, 2))
+        return self.out(torch.view_as_real(q * rotation).flatten(-2)).tanh()
+
+
+def test_complex_values_are_traced_as_differentiable():
+    graph = sn.plan(ComplexRotary(), X, policy="liveness").graph
+    product = next(l for l in graph.layers if l.name.rsplit(":", 1)[-1] == "mul")
+    assert product.saved, "the complex product's saved factor is not planned"
+
+
+@pytest.mark.parametrize("policy", ["recompute", "superneurons"])
+def test_a_complex_rotary_trains_as_plain(policy):
+    assert_same_training(ComplexRotary(), X, None, policy=policy,
+                         loss_fn=lambda out, _: out.square().mean())

@@ -134,7 +134,8 @@ def backward_scratch(watch: LiveBytes, result, inputs: list) -> int:
     """Run the backward of ``result`` (the forward having run under ``watch``) for the gradients
     of ``inputs`` that need one; its scratch per Rule 2, 0 where it cannot run (Rule 4)."""
     roots = [t for t in pytree.tree_leaves(result)
-             if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point()]
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None
+             and (t.is_floating_point() or t.is_complex())]
     wanted = [t for t in inputs if t.requires_grad]
     if not roots or not wanted:
         return 0

@@ -345,8 +345,8 @@ class Analyzer:
             value = self.value_of[id(obj)]
             input_values.append(value)
             if value not in fresh:
-                fresh[value] = _fresh_like(
-                    obj, self.values[value].requires_grad and obj.is_floating_point())
+                differentiable = obj.is_floating_point() or obj.is_complex()
+                fresh[value] = _fresh_like(obj, self.values[value].requires_grad and differentiable)
             return fresh[value]
 
         def prepare(arg_node):
