@@ -331,12 +331,17 @@ def test_training_through_a_trial_of_a_lower_budget_is_plain_pytorchs_and_keeps_
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(executor_module, "fits_on", lambda device: False)   # as the test above
     model, x, y = resnet_and_batch()
+    if device == "cuda":          # room below the budget for a lower one beside the momentum
+        x = torch.nn.functional.interpolate(x, scale_factor=2)
     model, x, y = model.to(device), x.to(device), y.to(device)
     graph = sn.plan(model, x, policy="liveness").graph
     floor = plan_graph(graph, "superneurons").peak_bytes
-    budget = floor + (plan_graph(graph, "liveness").peak_bytes - floor) * 4 // 5
-    if device == "cuda":          # beside the momentum and the losses kept, as the test above
-        budget += 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    liveness = plan_graph(graph, "liveness").peak_bytes
+    budget = floor + (liveness - floor) * 4 // 5
+    if device == "cuda":
+        # beside the momentum, the losses kept and the excess (2.5-2.7 times the parameters'
+        # bytes on an H100), and below liveness's peak there, so that the model is managed
+        budget = liveness + 2 * sum(p.numel() * p.element_size() for p in model.parameters())
 
     first = 1 if device == "cpu" else 3           # CUDA: two calibrating steps, one trusting
     steps = first + (TIMED_STEPS + 1) + (MAX_TRIED + len(ROOM_SHARES)) * (TIMED_STEPS + 2) + 2
