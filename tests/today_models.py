@@ -226,16 +226,20 @@ def _hf_loss(out):
     return out.loss
 
 
+def _causal_lm(model, vocab: int):
+    """A causal LM's case: its padded batch as keyword arguments, labels included."""
+    input_ids, attention_mask, labels = _text_batch(vocab)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                  use_cache=False)
+    return model.train(), (), kwargs, _hf_loss
+
+
 def build_hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    model = GPT2LMHeadModel(config)
-    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  use_cache=False)
-    return model.train(), (), kwargs, _hf_loss
+    return _causal_lm(GPT2LMHeadModel(config), config.vocab_size)
 
 
 def build_hf_llama():
@@ -244,11 +248,7 @@ def build_hf_llama():
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=32, attention_dropout=0.1)
-    model = LlamaForCausalLM(config)
-    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  use_cache=False)
-    return model.train(), (), kwargs, _hf_loss
+    return _causal_lm(LlamaForCausalLM(config), config.vocab_size)
 
 
 def build_hf_bloom():
@@ -258,11 +258,7 @@ def build_hf_bloom():
 
     config = BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4,
                          hidden_dropout=0.1, attention_dropout=0.1)
-    model = BloomForCausalLM(config)
-    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  use_cache=False)
-    return model.train(), (), kwargs, _hf_loss
+    return _causal_lm(BloomForCausalLM(config), config.vocab_size)
 
 
 def build_hf_phimoe():
@@ -272,11 +268,7 @@ def build_hf_phimoe():
     config = PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
-    model = PhimoeForCausalLM(config)
-    input_ids, attention_mask, labels = _text_batch(config.vocab_size)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                  use_cache=False)
-    return model.train(), (), kwargs, _hf_loss
+    return _causal_lm(PhimoeForCausalLM(config), config.vocab_size)
 
 
 def tiny_hf_mixtral():
