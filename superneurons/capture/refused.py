@@ -26,9 +26,9 @@ Rule 4: autograd Python the forward sets up as it runs is not in the captured gr
         autograd's in the last bits): it is called as one operation instead, which keeps its
         backward (functions.py), unless its call or its forward is one that operation cannot
         carry (keyword arguments, a module among its arguments, inputs written in place,
-        outputs other than tensors): refused. torch's own Functions are refused, but those whose output carries
-        no gradient (_DROPPED_EXACTLY). A torch.library.custom_op with register_autograd is
-        captured whole, as export records it.
+        outputs other than tensors): refused. torch's own Functions are refused, but those
+        whose output carries no gradient (_DROPPED_EXACTLY). A torch.library.custom_op with
+        register_autograd is captured whole, as export records it.
 """
 
 import contextlib
