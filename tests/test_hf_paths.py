@@ -4,6 +4,8 @@ attention match bit for bit, for every kind of mask and positions a training loo
 CPU the two paths often round alike; on CUDA (deterministic kernels) SDPA runs other kernels for
 them, and every case below differed before capture took the model's path."""
 
+import copy
+
 import pytest
 import torch
 
@@ -346,3 +348,31 @@ def test_modeling_code_takes_the_path_it_takes_when_called(policy):
     F.mse_loss(sn.wrap(model, policy=policy)(x), y).backward()
     assert torch.equal(plain, model.proj.weight.grad)
     assert not qwen3_next.is_torchdynamo_exporting()      # outside an export, transformers'
+
+
+def test_a_wrapped_part_answers_for_the_model_it_wraps():
+    """runtime/reads_through.py: wrapped in its place, as refusals advise, an HF part still
+    gives its parent what the parent reads of it (get_input_embeddings(), config), and the
+    parent trains as plain PyTorch's."""
+    transformers = pytest.importorskip("transformers")
+
+    class Parent(torch.nn.Module):        # as HF's multimodal models call their language model
+        def __init__(self):
+            super().__init__()
+            config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                             n_head=2)
+            self.language_model = transformers.GPT2LMHeadModel(config)
+
+        def forward(self, ids):
+            embeds = self.language_model.get_input_embeddings()(ids) * 1.5
+            assert self.language_model.config.vocab_size == 64
+            return self.language_model(inputs_embeds=embeds, labels=ids, use_cache=False).loss
+    torch.manual_seed(0)
+    plain, ids = Parent(), torch.randint(0, 64, (2, 12))
+    part = copy.deepcopy(plain)
+    part.language_model = sn.wrap(part.language_model, policy="recompute")
+    for model in (plain, part):            # the same dropout masks
+        torch.manual_seed(1)
+        model(ids).backward()
+    for a, b in zip(plain.parameters(), part.parameters()):
+        assert torch.equal(a.grad, b.grad)

@@ -91,6 +91,7 @@ from .machine import machine_of
 from .near_limit import managed_out_of_memory, untouched_out_of_memory
 from .outside import seen_bytes
 from .state import check_state_tier, to_host_memory
+from .reads_through import ReadsThrough
 from .stats import StepStats, step_stats
 from .structure import Structure
 from .trial import PlanTrials
@@ -104,9 +105,8 @@ _DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
 # Plans kept per wrapped model (Rule 5). A training loop meets a few calls again and again: its
 # batch, the epoch's last partial batch, and the same two in eval() mode where validation runs
 # with grad enabled (frozen BatchNorm, a loss on the validation set under autograd). Four keep
-# such a loop from capturing again every epoch (a capture takes seconds on a large model);
-# a model fed ever new shapes (variable sequence lengths) holds at most four executors, each with
-# its pinned host memory.
+# such a loop from capturing again every epoch (a capture takes seconds on a large model); a
+# model fed ever new shapes holds at most four executors, each with its pinned host memory.
 MAX_PLANS = 4
 
 # what the first step is doing, for a command line's status display; INFO, so silent unless a
@@ -114,7 +114,7 @@ MAX_PLANS = 4
 log = logging.getLogger(__name__)
 
 
-class SuperNeuronsModule(RefusesDDPOverHostState, nn.Module):
+class SuperNeuronsModule(ReadsThrough, RefusesDDPOverHostState, nn.Module):
     def __init__(self, model: nn.Module, policy, budget, strategy, state="device", device=None,
                  process_group=None, slice_loss=True, strict_budget=False,
                  outside_gradients=False):
