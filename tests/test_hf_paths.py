@@ -376,3 +376,18 @@ def test_a_wrapped_part_answers_for_the_model_it_wraps():
         model(ids).backward()
     for a, b in zip(plain.parameters(), part.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_what_the_wrapper_does_not_read_through():
+    """A method that would run the wrapped model outside the plan is not read through, nor a
+    private name (DDP's ignore list names the wrapped model's own tensors)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    model._ddp_params_and_buffers_to_ignore = ["lm_head.weight"]
+    wrapped = sn.wrap(model, policy="recompute")
+    assert wrapped.config is model.config
+    assert wrapped.get_input_embeddings() is model.transformer.wte
+    with pytest.raises(AttributeError, match=r"wrapped.model.generate"):
+        wrapped.generate
+    assert not hasattr(wrapped, "_ddp_params_and_buffers_to_ignore")

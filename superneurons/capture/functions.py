@@ -32,7 +32,9 @@ Rule 3: as the Function's own outputs: those it marks non-differentiable (found 
 Rule 4: a parameter the Function takes reaches its backward as itself (a backward that writes
         its .grad or reads its attributes sees the parameter, as in plain PyTorch; it is held,
         not saved, so the Tensor Pool does not stand in for it); other inputs as tensors of
-        their own, so that its backward stops at them.
+        their own, so that its backward stops at them. With state="host" a layer reads device
+        copies of the parameters (runtime/state.py Rule 1), and so does the Function: a
+        backward that writes a parameter's .grad itself, not returning it, writes the copy's.
 Rule 5: a call is named by an index into this process's table of Functions and the constants
         of their calls (the operation's one integer argument), constants telling 0.0 from
         -0.0; a graph holds it for the process's life.
