@@ -139,9 +139,7 @@ def exported_as_called(model: nn.Module, args: tuple, kwargs: dict, packed: bool
     """Rule 1, for the duration of an export of ``model`` called with ``args`` and ``kwargs``;
     ``packed``: packed_positions of the call."""
     _install_modeling()
-    before = getattr(_local, "modeling_as_called", False)
-    _local.modeling_as_called = True                                            # Rule 4
-    try:
+    with _acting(True, "modeling_as_called"):                                  # Rule 4
         masking = _masking(model)
         if masking is None or packed or _passes_mask(_named(model, args, kwargs)):
             yield
@@ -149,18 +147,16 @@ def exported_as_called(model: nn.Module, args: tuple, kwargs: dict, packed: bool
         _install(masking)
         with _acting(True):
             yield
-    finally:
-        _local.modeling_as_called = before
 
 
 @contextlib.contextmanager
-def _acting(value: bool):
-    before = getattr(_local, "as_called", False)
-    _local.as_called = value
+def _acting(value: bool, flag: str = "as_called"):
+    before = getattr(_local, flag, False)
+    setattr(_local, flag, value)
     try:
         yield
     finally:
-        _local.as_called = before
+        setattr(_local, flag, before)
 
 
 def _install(masking) -> None:
