@@ -352,3 +352,21 @@ def test_a_functions_forward_temporaries_are_its_scratch():
     layer = next(l for l in plan.graph.layers if l.name.startswith("autograd_function"))
     unit, output = X.numel() * 4, X.numel() // 32 * 4
     assert layer.forward_scratch == 2 * unit - output     # x * 2 and + 1, less the output
+
+
+class FilledWithMinimum(torch.autograd.Function):
+    """Makes a tensor of its own in its forward (HF SEW-D's XSoftmax: torch.tensor(finfo.min)),
+    which the meta device's trace must make on the meta device too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.masked_fill(x < 0, torch.tensor(torch.finfo(x.dtype).min)).softmax(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+@pytest.mark.parametrize("policy", ["recompute", "superneurons"])
+def test_a_function_that_makes_a_tensor_is_planned_and_trains(policy):
+    assert_same_training(Applies(FilledWithMinimum), X, None, policy=policy, loss_fn=_loss)

@@ -271,6 +271,23 @@ def build_hf_phimoe():
     return _causal_lm(PhimoeForCausalLM(config), config.vocab_size)
 
 
+def build_hf_sew_d():
+    """SEW-D's attention masks and drops out by custom autograd Functions (XSoftmax, XDropout),
+    the dropout drawing in its forward."""
+    from transformers import SEWDConfig, SEWDForSequenceClassification
+
+    config = SEWDConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                        conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                        num_conv_pos_embedding_groups=2, squeeze_factor=2,
+                        apply_spec_augment=False, hidden_dropout=0.1, attention_dropout=0.1,
+                        activation_dropout=0.1, num_labels=3, position_buckets=16,
+                        max_position_embeddings=64)
+    audio = torch.randn(BATCH, 800, generator=_generator())
+    return (SEWDForSequenceClassification(config).train(), (),
+            dict(input_values=audio, labels=torch.tensor([0, 2])), _hf_loss)
+
+
 def tiny_hf_mixtral():
     """HF Mixtral from a small config (4 experts, top 2, its router loss) and a call of it, for
     the tests of its own paths (it is not in the matrix); deterministic from seed 0."""
@@ -450,6 +467,8 @@ def cases() -> dict[str, Case]:
                          note="BloomForCausalLM, its GELU a custom autograd Function"),
         "hf_phimoe": Case("hf_phimoe", build_hf_phimoe, "transformers", hf,
                           note="PhimoeForCausalLM, its router a custom autograd Function"),
+        "hf_sew_d": Case("hf_sew_d", build_hf_sew_d, "transformers", hf,
+                         note="SEWDForSequenceClassification, custom Functions that draw"),
         "hf_bert_mlm": Case("hf_bert_mlm", build_hf_bert_mlm, "transformers", hf, default=True,
                             note="BertForMaskedLM, padded batch"),
         "hf_vit": Case("hf_vit", build_hf_vit, "transformers", hf, default=True,

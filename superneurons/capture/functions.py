@@ -130,7 +130,7 @@ def run_forward(key: int, tensors: list, keep_random: bool = True) -> list:
     call = _CALLS[key]
     if keep_random:
         _local.states = _random_states(tensors)
-    with _calling(), torch.no_grad():
+    with _calling(), torch.no_grad(), _traced(tensors):
         out = call.function.apply(*_arguments(call, tensors))
     single = isinstance(out, torch.Tensor)
     outputs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
@@ -146,6 +146,13 @@ def run_forward(key: int, tensors: list, keep_random: bool = True) -> list:
         seen.add(output.untyped_storage()._cdata)
         fresh.append(output)
     return fresh
+
+
+def _traced(tensors: list):
+    """Traced on the meta device, a tensor the Function makes (HF SEW-D's
+    torch.tensor(finfo.min)) is made there too, beside its meta inputs; called, where it makes
+    it."""
+    return torch.device("meta") if any(t.is_meta for t in tensors) else contextlib.nullcontext()
 
 
 def _random_states(tensors: list) -> tuple:
@@ -222,7 +229,11 @@ def _backward(ctx, grads):
     saved = [ctx.parameters.get(i, t) for i, t in enumerate(ctx.saved_tensors)]
     inputs = [t if i in ctx.parameters else t.detach().requires_grad_(need)       # Rule 4
               for i, (t, need) in enumerate(zip(saved, ctx.needs))]
-    with _calling(), _random_as(ctx.random), torch.enable_grad(), _autocast(ctx.autocast):
+    with contextlib.ExitStack() as regions:
+        for region in (_calling(), _random_as(ctx.random), torch.enable_grad(), _traced(inputs),
+                       *[torch.autocast(device, dtype=dtype, enabled=enabled)
+                         for device, (enabled, dtype) in ctx.autocast.items()]):
+            regions.enter_context(region)
         out = call.function.apply(*_arguments(call, inputs))
     outputs = [out] if isinstance(out, torch.Tensor) else list(out)
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
@@ -230,22 +241,6 @@ def _backward(ctx, grads):
     found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                      allow_unused=True) if pairs and wanted else ())
     return None, [next(found, None) if t.requires_grad else None for t in inputs]
-
-
-class _autocast:
-    """The autocast state of each device type the forward's inputs were on."""
-
-    def __init__(self, states: dict):
-        self.regions = [torch.autocast(device, dtype=dtype, enabled=enabled)
-                        for device, (enabled, dtype) in states.items()]
-
-    def __enter__(self):
-        for region in self.regions:
-            region.__enter__()
-
-    def __exit__(self, *exc):
-        for region in reversed(self.regions):
-            region.__exit__(*exc)
 
 
 FUNCTION_OP.register_autograd(_backward, setup_context=_setup_context)
