@@ -1,6 +1,7 @@
 """The wrapper's list of its model's modules and parameters (runtime/structure.py): read again
 when the model changes, however it changes, not walked at every call."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,3 +53,54 @@ def test_a_deleted_module_is_a_new_plan():
     out = wrapped(x)
     assert out.shape == (3, 4) and torch.equal(out, model(x))
     F.mse_loss(out, torch.zeros(3, 4)).backward()
+
+
+class _Scheduled(nn.Module):
+    """A dropout whose p a schedule sets between steps, and a norm whose eps is changed."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.drop, self.head = nn.Dropout(0.1), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return F.log_softmax(self.head(self.drop(self.norm(torch.relu(self.body(x))))), -1)
+
+
+def _scheduled_training(model, x, y):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    losses = []
+    module = getattr(model, "model", model)
+    for p, eps in [(0.1, 1e-5), (0.5, 1e-5), (0.5, 0.5), (0.1, 1e-5)]:
+        module.drop.p, module.norm.eps = p, eps
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_a_scalar_changed_between_steps_is_the_value_the_step_trains_with():
+    torch.manual_seed(0)
+    model, x, y = _Scheduled(), torch.randn(6, 8), torch.randint(0, 3, (6,))
+    plain, managed = _Scheduled(), _Scheduled()
+    plain.load_state_dict(model.state_dict())
+    managed.load_state_dict(model.state_dict())
+    expected = _scheduled_training(plain, x, y)
+    wrapped = sn.wrap(managed, policy="recompute")
+    with pytest.warns(UserWarning, match=r"drop\.p changed from 0\.1 to 0\.5"):
+        got = _scheduled_training(wrapped, x, y)
+    assert torch.equal(expected, got), (expected, got)
+    for a, b in zip(plain.parameters(), managed.parameters()):
+        assert torch.equal(a, b)
+    assert len(wrapped._executors) == 3        # the values of step 4 are step 1's: its plan
+
+
+def test_a_scalar_that_becomes_a_tensor_leaves_the_key():
+    model = nn.Sequential(nn.Dropout(0.1))
+    structure = Structure(model)
+    first = structure.read()[0]
+    model[0].p = torch.tensor(0.2)               # an object now: not a constant of the key
+    assert len(structure.read()[0][2]) == len(first[2]) - 1

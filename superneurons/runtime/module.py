@@ -2,10 +2,10 @@
 
 Rule 1: the plan is made at the first forward for each input structure, tensor shape and
         dtype, value of every non-tensor argument (a captured graph specializes on them),
-        every module's training mode, every parameter's requires_grad and the autocast state,
-        and reused (a step under bf16 autocast holds about half the bytes) while among the
-        MAX_PLANS used last (Rule 5). Other Python state the forward reads is fixed at capture:
-        replan() after changing it.
+        every module's training mode and scalar attributes (a dropout's p: structure.py),
+        every parameter's requires_grad and the autocast state, and reused (bf16 autocast
+        holds about half the bytes) while among the MAX_PLANS used last (Rule 5). Other Python
+        state the forward reads is fixed at capture: replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
         no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA a
         call's first step runs managed, fitting cuDNN's engines to the budget (untouched.py
@@ -286,8 +286,8 @@ class SuperNeuronsModule(ReadsThrough, RefusesDDPOverHostState, nn.Module):
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
-        the Python attributes the forward reads (a dropout's p, a flag in a config); call this
-        after changing one."""
+        the Python state the forward reads beyond the modules' own scalars (a flag in a
+        config, a global); call this after changing it."""
         while self._executors:
             self._drop_key(next(iter(self._executors)))
         self._dropped.clear()         # capturing again is asked for, not a cycle of shapes

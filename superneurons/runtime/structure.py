@@ -1,4 +1,5 @@
-"""The wrapped model's modules and parameters, listed again only when the module tree changed.
+"""The wrapped model's modules and parameters, listed again only when the module tree changed,
+and the modules' Python scalars that a captured graph takes as constants.
 
 A step's plan is keyed by every module's training mode and every parameter's requires_grad
 (module Rule 1). Walking the module tree for them at every call costs milliseconds of host time
@@ -7,11 +8,21 @@ kept, and each call checks that every module still holds the same children and p
 (a fifth of the walk's time): that sees what registering sees, and what bypasses it too
 (`del model.head`, `module.bias = None`, a direct write to `_parameters` or `_modules` as
 accelerate and torch.ao's convert make). PyTorch's registration hooks alone missed those.
+
+The key also holds every module's public scalar attributes (a dropout's p, a norm's eps, an
+attention's scaling): capture bakes the values the forward reads into the graph, so a value
+changed between steps (a dropout schedule) would otherwise train on the old one, silently.
+Read per call from lists made with the others, by C iterators alone.
 """
 
+import warnings
 from itertools import chain
 
 from torch import nn
+
+# what capture takes as a constant and a key can compare; a module's tensors, tuples (kernel
+# sizes, strides) and objects (an HF config) are not read here
+SCALARS = frozenset({bool, int, float, str, type(None)})
 
 
 class Structure:
@@ -23,6 +34,11 @@ class Structure:
         self._parameters: list = []
         self._dicts: list = []       # every module's _modules and _parameters
         self._held: list = []        # the ids of what each held when listed
+        self._scalar_dicts: list = []    # per scalar attribute: its module's __dict__, name
+        self._scalar_names: list = []
+        self._scalar_paths: list = []    # and its qualified name, for the warning
+        self._last_scalars: tuple | None = None
+        self._warned = False
 
     def _seen(self) -> tuple:
         # ids, not objects: the lists above keep every object seen alive, so an id is not
@@ -34,16 +50,51 @@ class Structure:
 
     def _refresh(self) -> None:
         if not self._modules or self._seen() != self._held:
-            self._modules = list(self.model.modules())
+            named = list(self.model.named_modules())
+            self._modules = [module for _, module in named]
             self._parameters = list(self.model.parameters())
             self._dicts = [d for m in self._modules for d in (m._modules, m._parameters)]
             self._held = self._seen()
+            self._list_scalars(named)
+
+    def _list_scalars(self, named: list) -> None:
+        """The public scalar attributes of every module (``training`` is keyed on its own)."""
+        self._scalar_dicts, self._scalar_names, self._scalar_paths = [], [], []
+        for path, module in named:
+            for name, value in module.__dict__.items():
+                if type(value) in SCALARS and name != "training" and not name.startswith("_"):
+                    self._scalar_dicts.append(module.__dict__)
+                    self._scalar_names.append(name)
+                    self._scalar_paths.append(f"{path}.{name}" if path else name)
+
+    def _scalars(self) -> tuple:
+        values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
+        if not set(map(type, values)) <= SCALARS:       # one became a tensor or an object
+            self._list_scalars(list(self.model.named_modules()))
+            values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
+        last, self._last_scalars = self._last_scalars, values
+        if last is not None and len(last) == len(values) and last != values:
+            self._warn(last, values)
+        return values
+
+    def _warn(self, last: tuple, values: tuple) -> None:
+        """Once per model: a scalar changed, so the step is captured again for its value."""
+        if self._warned:
+            return
+        self._warned = True
+        at = next(i for i, (a, b) in enumerate(zip(last, values)) if a != b)
+        warnings.warn(
+            f"superneurons: {self._scalar_paths[at]} changed from {last[at]!r} to "
+            f"{values[at]!r}, and a captured step takes it as a constant: the step is captured "
+            "again for the new value (seconds on a large model; each value's plan is kept "
+            "among wrapped.max_plans), as for every module attribute changed from now on",
+            stacklevel=5)
 
     def read(self) -> tuple:
         """(key, parameters): what a captured graph specializes on beyond its arguments, every
-        module's training mode (BatchNorm frozen by eval()) and every parameter's requires_grad
-        (unfreezing), and the model's parameters."""
+        module's training mode (BatchNorm frozen by eval()), every parameter's requires_grad
+        (unfreezing) and every module's scalar attributes, and the model's parameters."""
         self._refresh()
         key = (tuple(m.training for m in self._modules),
-               tuple(p.requires_grad for p in self._parameters))
+               tuple(p.requires_grad for p in self._parameters), self._scalars())
         return key, self._parameters
