@@ -3,7 +3,8 @@ fractions of plain PyTorch's own peak memory.
 
     python benchmarks/gpu_today.py exact OUT.json [NAME ...] [--toward F] [--steps N] [--bf16]
                                                       # resnet50, efficientnet_b0, convnext_tiny,
-                                                      # vit_b_16, HF GPT-2 and BLOOM:
+                                                      # vit_b_16, HF GPT-2, BLOOM, SEW-D
+                                                      # and PhiMoE:
                                                       # plain-vs-plain
                                                       # control, then
                                                       # every policy at a budget that forces it:
@@ -67,7 +68,25 @@ def _exact_cases(device):
                     tokens),
         # its GELU a custom autograd Function, captured whole (capture/functions.py)
         "hf_bloom": (_bloom, tokens),
+        # custom Functions that draw random numbers (SEW-D's XDropout) or route experts
+        # (PhiMoE), as the CPU's matrix builds them
+        "hf_sew_d": _from_matrix("build_hf_sew_d", device),
+        "hf_phimoe": _from_matrix("build_hf_phimoe", device),
     }
+
+
+def _from_matrix(builder: str, device):
+    """A case of tests/today_models.py, its model and tensors on ``device``."""
+    def build():
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tests"))
+        import today_models
+        model, args, kwargs, loss_fn = getattr(today_models, builder)()
+        on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        built[:] = [tuple(map(on, args)), {k: on(v) for k, v in kwargs.items()}, loss_fn]
+        return model
+    built = []
+    return build, lambda: (built[0], built[1], lambda out: built[2](out))
 
 
 def _bloom():

@@ -7,10 +7,11 @@ in every run, so each runs the plan it made first. Plain uncapped runs first, fo
 fresh process per run; the budget's hold is read per step (max_memory_allocated).
 
     python benchmarks/hidden_moves.py OUT_DIR [--model resnet50] [--dtype bf16] [--ratio 0.5]
-        [--rooms 1 1.1 1.2 1.35] [--steps 8] [--profile]
+        [--rooms 1 1.1 1.2 1.35] [--steps 8] [--profile [--stacks]]
 
 With --profile, two more steps of each run under torch.profiler (profile_ratio.profiled): its
-kernels by kind, the copies among them, and the host's waits. Writes OUT_DIR/hidden_moves.json.
+kernels by kind, the copies among them, and the host's waits (with --stacks, by the Python
+frames they were called from). Writes OUT_DIR/hidden_moves.json.
 """
 
 import argparse
@@ -45,7 +46,7 @@ def plans_for_a_larger_room(room: float):
 
 
 def child(name: str, dtype: str, ratio: float, room: float | None, steps: int,
-          profile: bool) -> dict:
+          profile: bool, stacks: bool = False) -> dict:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
     from common import torch_settings
@@ -80,7 +81,7 @@ def child(name: str, dtype: str, ratio: float, room: float | None, steps: int,
                    last_step=run.stats.as_dict())
     if profile:
         from profile_ratio import profiled
-        row["profile"] = profiled(step, 2)
+        row["profile"] = profiled(step, 2, stacks=stacks)
         if room is not None:
             row["profiled_step"] = run.stats.as_dict()
     return row
@@ -95,13 +96,14 @@ def main():
     parser.add_argument("--rooms", nargs="*", type=float, default=[1.0, 1.1, 1.2, 1.35])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--stacks", action="store_true")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     sys.path.insert(0, HERE)
     if args.child is not None:
         room = None if args.child == "plain" else float(args.child)
         print(json.dumps(child(args.model, args.dtype, args.ratio, room, args.steps,
-                               args.profile)))
+                               args.profile, args.stacks)))
         return
     from common import environment, run_child, write
     record = {**environment(), "command": "python benchmarks/hidden_moves.py " +
@@ -111,7 +113,8 @@ def main():
         result = run_child([sys.executable, __file__, args.out, "--model", args.model,
                             "--dtype", args.dtype, "--ratio", str(args.ratio),
                             "--steps", str(args.steps), "--child", room,
-                            *(["--profile"] if args.profile else [])], timeout=240)
+                            *(["--profile"] if args.profile else []),
+                            *(["--stacks"] if args.stacks else [])], timeout=240)
         record["rows"].append(result)
         plain = record["rows"][0].get("step_s")
         if result.get("ok") and plain:

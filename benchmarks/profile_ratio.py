@@ -21,6 +21,7 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARM, PROFILED = 4, 2
 TOP = 25                # the kernels with the most time a step, named: which engines ran
+STACK_FRAMES = 10      # the innermost Python frames kept per wait: the runtime's, its caller's
 SETTLING = 20           # at most this many more steps, until superneurons has timed its plans
 KINDS = (("conv", ("conv", "cudnn", "implicit", "wgrad", "dgrad", "xmma", "sm90_xmma")),
          ("batch_norm", ("batch_norm", "bn_", "welford")),
@@ -36,14 +37,14 @@ def _kind(name: str) -> str:
     return next((kind for kind, marks in KINDS if any(m in lowered for m in marks)), "other")
 
 
-def profiled(step, steps: int) -> dict:
+def profiled(step, steps: int, stacks: bool = False) -> dict:
     """``steps`` calls of ``step`` under torch.profiler: wall seconds a step, kernel seconds a
     step by kind (copies on their own streams overlap the rest, so the kinds may add up to more
     than the wall), kernels by kind, the kernels that took longest, and the host's waits on the
-    device a step."""
+    device a step; with ``stacks``, the Python stacks the longest waits were called from."""
     import torch
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, with_stack=stacks) as profiler:
         began = time.perf_counter()
         for _ in range(steps):
             step()
@@ -62,11 +63,24 @@ def profiled(step, steps: int) -> dict:
         elif event.key in WAITS:
             waits[event.key] += event.cpu_time_total / 1e6 / steps
     busy = sum(kernels.values())
-    return {"wall_s": wall, "kernel_s": busy, "device_idle_share": max(0.0, 1 - busy / wall),
-            "kernel_s_by_kind": dict(kernels),
-            "kernels_by_kind": {k: v // steps for k, v in counts.items()},
-            "host_waits_s": dict(waits), "compute_stream": _compute_stream(profiler, steps),
-            "top_kernels": sorted(each, key=lambda k: -k["ms"])[:TOP]}
+    found = {"wall_s": wall, "kernel_s": busy, "device_idle_share": max(0.0, 1 - busy / wall),
+             "kernel_s_by_kind": dict(kernels),
+             "kernels_by_kind": {k: v // steps for k, v in counts.items()},
+             "host_waits_s": dict(waits), "compute_stream": _compute_stream(profiler, steps),
+             "top_kernels": sorted(each, key=lambda k: -k["ms"])[:TOP]}
+    if stacks:
+        found["waits_by_stack"] = _waits_by_stack(profiler, steps)
+    return found
+
+
+def _waits_by_stack(profiler, steps: int) -> list:
+    """The host's waits on the device (and its allocations of pinned memory) grouped by the
+    Python frames they were called from, the longest first."""
+    waits = [{"wait": event.key, "ms": event.cpu_time_total / 1e3 / steps,
+              "count": event.count / steps, "stack": list(event.stack)[:STACK_FRAMES]}
+             for event in profiler.key_averages(group_by_stack_n=STACK_FRAMES)
+             if event.key in WAITS and event.key != "cudaStreamWaitEvent"]
+    return sorted(waits, key=lambda w: -w["ms"])[:TOP]
 
 
 def _compute_stream(profiler, steps: int) -> dict:

@@ -21,9 +21,12 @@ def train(model, x, y, steps: int, seed: int = 1, loss_fn=F.nll_loss):
     return losses
 
 
-def assert_same_training(model, x, y, *, steps=3, loss_fn=F.nll_loss, **wrap_options):
-    """Losses, parameters and buffers (BatchNorm statistics) identical to plain PyTorch."""
-    plain, managed = copy.deepcopy(model), copy.deepcopy(model)
+def assert_same_training(model, x, y, *, steps=3, loss_fn=F.nll_loss, on="cpu", **wrap_options):
+    """Losses, parameters and buffers (BatchNorm statistics) identical to plain PyTorch; ``on``:
+    the device both train on (conftest's ``device`` fixture: "cuda" with deterministic
+    kernels)."""
+    plain, managed = copy.deepcopy(model).to(on), copy.deepcopy(model).to(on)
+    x, y = (t if t is None else t.to(on) for t in (x, y))
     expected = train(plain, x, y, steps, loss_fn=loss_fn)
     assert torch.isfinite(torch.stack(expected)).all(), \
         f"plain PyTorch's own losses are not finite, so nothing is compared: {expected}"

@@ -2,12 +2,14 @@
 own backward, bit for bit (capture/functions.py); what it cannot carry is refused before the
 first step. HF's BLOOM, which trains its GELU so, is a case of test_models_today.py."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import superneurons as sn
-from equality import assert_same_training
+from equality import assert_same_training, train
 
 X = torch.randn(2, 16, 32)
 POLICIES = ["liveness", "offload", "recompute", "superneurons"]
@@ -96,7 +98,7 @@ class AppliesFunctions(nn.Module):
         h = torch.relu(self.a(x))
         h = Scaled.apply(h, 2.0)
         gate = (x[..., :1] > 0).to(h.dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             total, difference = Gated.apply(self.b(h), Returned.apply(h), gate)
             total = Projected.apply(total, self.weight)
         out = Listed.apply(total.float() * difference.float().tanh(), [h])
@@ -108,22 +110,34 @@ def _loss(out, _):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_custom_function_trains_with_its_own_backward(policy):
-    wrapped = assert_same_training(AppliesFunctions(), X, None, policy=policy, loss_fn=_loss)
+def test_a_custom_function_trains_with_its_own_backward(policy, device):
+    wrapped = assert_same_training(AppliesFunctions(), X, None, policy=policy, loss_fn=_loss,
+                                   on=device)
     assert all(p.grad is not None for name, p in wrapped.model.named_parameters()
                if name != "weight")                  # Projected's backward gives it none
 
 
-def test_a_custom_function_reads_its_parameters_from_the_host():
-    assert_same_training(AppliesFunctions(), X, None, policy="superneurons", loss_fn=_loss,
-                         state="host", device=torch.device("cpu"))
+def test_a_custom_function_reads_its_parameters_from_the_host(device):
+    """On CUDA the Function is given the parameters' device copies (functions.py Rule 4)."""
+    if device == "cpu":
+        assert_same_training(AppliesFunctions(), X, None, policy="superneurons", loss_fn=_loss,
+                             state="host", device=torch.device("cpu"))
+        return
+    model = AsTheFunctionSays()
+    plain = copy.deepcopy(model).to(device)
+    expected = train(plain, X.to(device), None, 3, loss_fn=_loss)
+    got = train(sn.wrap(model, policy="superneurons", state="host", device=device), X, None, 3,
+                loss_fn=_loss)
+    assert torch.equal(torch.stack(expected).cpu(), torch.stack(got).cpu())
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.cpu(), b) and torch.equal(a.grad.cpu(), b.grad)
 
 
-def test_a_custom_function_under_autocast_replays_its_forward_under_it():
+def test_a_custom_function_under_autocast_replays_its_forward_under_it(device):
     """The backward's forward runs under the autocast state its forward ran under: without
     it, Gated's saved tensors would be float32 and its gradients other bits."""
     assert_same_training(AppliesFunctions(autocast=True), X, None, policy="recompute",
-                         loss_fn=_loss)
+                         loss_fn=_loss, on=device)
 
 
 def test_the_functions_own_backward_is_what_runs():
@@ -294,9 +308,9 @@ class AsTheFunctionSays(nn.Module):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_the_function_sees_what_it_would_see_in_plain_pytorch(policy):
+def test_the_function_sees_what_it_would_see_in_plain_pytorch(policy, device):
     """Rules 1, 3 and 4 of capture/functions.py, with dropout-like draws between steps."""
-    assert_same_training(AsTheFunctionSays(), X, None, policy=policy, loss_fn=_loss)
+    assert_same_training(AsTheFunctionSays(), X, None, policy=policy, loss_fn=_loss, on=device)
 
 
 def test_outputs_it_marks_non_differentiable_are_so():
@@ -368,5 +382,6 @@ class FilledWithMinimum(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "superneurons"])
-def test_a_function_that_makes_a_tensor_is_planned_and_trains(policy):
-    assert_same_training(Applies(FilledWithMinimum), X, None, policy=policy, loss_fn=_loss)
+def test_a_function_that_makes_a_tensor_is_planned_and_trains(policy, device):
+    assert_same_training(Applies(FilledWithMinimum), X, None, policy=policy, loss_fn=_loss,
+                         on=device)
