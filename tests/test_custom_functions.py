@@ -217,6 +217,42 @@ def test_a_function_its_operation_cannot_carry_is_refused(model, said):
         sn.wrap(model, policy="recompute")(X)
 
 
+class SavesItsOutput(torch.autograd.Function):
+    """Saves only its output: plain PyTorch lets a later layer write its input in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y
+
+
+class WritesTheFunctionsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = SavesItsOutput.apply(h)
+        return y + h.mul_(2)
+
+
+def test_a_later_write_into_a_functions_input_is_refused_naming_the_function():
+    """The operation keeps the inputs to run the forward again (Rule 1), so a write into one
+    is refused: by a message that says why, not one saying plain PyTorch fails."""
+    model = WritesTheFunctionsInput()
+    model(X).sum().backward()                                        # plain PyTorch trains
+    with pytest.raises(ValueError, match=r"input of the custom autograd Function "
+                                         r".*SavesItsOutput.*only where the Function saves"):
+        sn.wrap(model, policy="recompute")(X)
+
+
 class Noisy(torch.autograd.Function):
     """Draws in its forward and reads the draw in its backward: the backward's forward must
     draw the same numbers, and leave the generator where the step left it."""
@@ -337,6 +373,19 @@ class Multiplied(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
+
+
+def test_a_nan_constant_is_one_call_at_every_capture():
+    from superneurons.capture import functions
+
+    class NotANumber(nn.Module):
+        def forward(self, x):
+            return Multiplied.apply(x, float("nan"))
+    x = torch.ones(2, 3, requires_grad=True)
+    sn.wrap(NotANumber(), policy="recompute")(x)
+    calls = len(functions._CALLS)
+    sn.wrap(NotANumber(), policy="recompute")(x)
+    assert len(functions._CALLS) == calls
 
 
 def test_constants_that_compare_equal_but_differ_are_two_calls():

@@ -15,7 +15,9 @@ Rule 1: exact. The backward's forward is the forward's kernels on the same input
         generators are put back after): its outputs and what it saves for the Function's
         backward are the forward's bits, so that backward computes plain PyTorch's gradients.
         The operation counts as drawing random numbers (scratch.py Rule 6), so a replay of the
-        forward (the executor's) draws the numbers the step drew.
+        forward (the executor's) draws the numbers the step drew. It keeps every input for
+        that: a later in-place write into one is refused before the step (trace.py), where
+        plain PyTorch fails only if the Function saved that input itself.
 Rule 2: only what the operation's schema can carry: positional arguments whose tensors the
         pytree finds (others are constants of the call), and a tensor or a tuple or list of
         tensors returned. As autograd does for a Function, only a tensor that is an argument
@@ -37,7 +39,7 @@ Rule 4: a parameter the Function takes reaches its backward as itself (a backwar
         backward that writes a parameter's .grad itself, not returning it, writes the copy's.
 Rule 5: a call is named by an index into this process's table of Functions and the constants
         of their calls (the operation's one integer argument), constants telling 0.0 from
-        -0.0; a graph holds it for the process's life.
+        -0.0 and a NaN one constant; a graph holds it for the process's life.
 """
 
 import contextlib
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["FUNCTION_OP", "as_operation", "run_forward", "calling"]
+__all__ = ["FUNCTION_OP", "as_operation", "run_forward", "calling", "function_called"]
 
 
 @dataclasses.dataclass
@@ -106,13 +108,24 @@ def as_operation(function: type, args: tuple) -> tuple:
     return (out[0] if call.single else tuple(out)), None
 
 
+def function_called(node) -> str | None:
+    """The name of the Function a captured graph's node calls, or None where it calls none."""
+    if node.target is not FUNCTION_OP._opoverload:
+        return None
+    function = _CALLS[node.args[0]].function
+    return f"{function.__module__}.{function.__qualname__}"
+
+
 def _same(a: list, b: list) -> bool:
     """The same constants: each the same object, or of one type and equal (an object whose
     comparison raises, or gives no truth value, counts as another)."""
     def equal(x, y) -> bool:
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, (float, complex)):
+            return repr(x) == repr(y)             # -0.0 is not 0.0, a NaN is one (Rule 5)
         try:
-            return type(x) is type(y) and bool(x == y) and \
-                (not isinstance(x, (float, complex)) or repr(x) == repr(y))    # -0.0, Rule 5
+            return bool(x == y)
         except Exception:                                  # noqa: BLE001 -- any __eq__
             return False
     return len(a) == len(b) and all(x is y or equal(x, y) for x, y in zip(a, b))

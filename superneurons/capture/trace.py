@@ -53,6 +53,7 @@ from torch.utils import _pytree as pytree
 from .aten import DevicesOnMeta, fused_attention, storage_key, with_traced_layout
 from .autocast import AutocastOnMeta
 from .export import module_path
+from .functions import function_called
 from .graph import Layer, LayerGraph, Saved, Storage, Value
 from .kinds import flops_of, kind_of
 from .memo import Pattern, memo_key
@@ -292,6 +293,15 @@ class Analyzer:
                             "backward over slices of rows (capture/sliced_loss.py); plain "
                             "PyTorch keeps their log-softmax instead and runs this. Wrap the "
                             "model with slice_loss=False.")
+                    function = function_called(first.node)
+                    if function is not None:
+                        raise ValueError(
+                            f"layer {layer.name!r} ({layer.node.format_node()}) writes in place "
+                            f"into an input of the custom autograd Function {function} (layer "
+                            f"{first.name!r}), which superneurons keeps to run the Function's "
+                            "forward again in backward (capture/functions.py): plain PyTorch "
+                            "fails here only where the Function saves that input itself. Use "
+                            "the out-of-place operation (x = x * 2, not x.mul_(2)).")
                     raise ValueError(
                         f"layer {layer.name!r} ({layer.node.format_node()}) writes in place into "
                         f"a tensor that layer {first.name!r} saved for its backward; plain "
