@@ -118,19 +118,16 @@ def test_a_custom_function_trains_with_its_own_backward(policy, device):
 
 
 def test_a_custom_function_reads_its_parameters_from_the_host(device):
-    """On CUDA the Function is given the parameters' device copies (functions.py Rule 4)."""
-    if device == "cpu":
-        assert_same_training(AppliesFunctions(), X, None, policy="superneurons", loss_fn=_loss,
-                             state="host", device=torch.device("cpu"))
-        return
-    model = AsTheFunctionSays()
+    """The Function is given the parameters' device copies (functions.py Rule 4)."""
+    model = AppliesFunctions()
     plain = copy.deepcopy(model).to(device)
     expected = train(plain, X.to(device), None, 3, loss_fn=_loss)
     got = train(sn.wrap(model, policy="superneurons", state="host", device=device), X, None, 3,
                 loss_fn=_loss)
     assert torch.equal(torch.stack(expected).cpu(), torch.stack(got).cpu())
     for a, b in zip(plain.parameters(), model.parameters()):
-        assert torch.equal(a.cpu(), b) and torch.equal(a.grad.cpu(), b.grad)
+        assert torch.equal(a.cpu(), b) and (a.grad is None) == (b.grad is None)
+        assert a.grad is None or torch.equal(a.grad.cpu(), b.grad)
 
 
 def test_a_custom_function_under_autocast_replays_its_forward_under_it(device):
@@ -251,6 +248,41 @@ def test_a_later_write_into_a_functions_input_is_refused_naming_the_function():
     with pytest.raises(ValueError, match=r"input of the custom autograd Function "
                                          r".*SavesItsOutput.*only where the Function saves"):
         sn.wrap(model, policy="recompute")(X)
+
+
+class SetsTheGradient(torch.autograd.Function):
+    """Megatron-style: its backward writes the weight's gradient itself, returning None."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        weight.grad = x.flatten(0, -2).t() @ grad.flatten(0, -2)
+        return grad @ weight.t(), None
+
+
+class AppliesSetsTheGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.weight = nn.Linear(32, 32), nn.Parameter(torch.randn(32, 32) / 32)
+
+    def forward(self, x):
+        return SetsTheGradient.apply(self.a(x), self.weight)
+
+
+def test_a_backward_that_sets_a_parameters_grad_trains_or_is_refused():
+    """On the device the Function is given the Parameter itself and its write lands (Rule 4);
+    with the state on the host it is given a copy, and the write would be lost: refused."""
+    assert_same_training(AppliesSetsTheGradient(), X, None, policy="superneurons",
+                         loss_fn=_loss)
+    wrapped = sn.wrap(AppliesSetsTheGradient(), policy="superneurons", state="host",
+                      device="cpu")
+    with pytest.raises(ValueError, match=r"SetsTheGradient sets \.grad of its input 1 itself"):
+        _loss(wrapped(X), None).backward()
 
 
 class Noisy(torch.autograd.Function):

@@ -36,7 +36,9 @@ Rule 4: a parameter the Function takes reaches its backward as itself (a backwar
         not saved, so the Tensor Pool does not stand in for it); other inputs as tensors of
         their own, so that its backward stops at them. With state="host" a layer reads device
         copies of the parameters (runtime/state.py Rule 1), and so does the Function: a
-        backward that writes a parameter's .grad itself, not returning it, writes the copy's.
+        backward that tells a Parameter by its type or attributes sees a tensor, and one that
+        writes an input's .grad itself, not returning the gradient, is refused as it
+        returns (the write would be lost).
 Rule 5: a call is named by an index into this process's table of Functions and the constants
         of their calls (the operation's one integer argument), constants telling 0.0 from
         -0.0 and a NaN one constant; a graph holds it for the process's life.
@@ -112,7 +114,11 @@ def function_called(node) -> str | None:
     """The name of the Function a captured graph's node calls, or None where it calls none."""
     if node.target is not FUNCTION_OP._opoverload:
         return None
-    function = _CALLS[node.args[0]].function
+    return function_called_by(node.args[0])
+
+
+def function_called_by(key: int) -> str:
+    function = _CALLS[key].function
     return f"{function.__module__}.{function.__qualname__}"
 
 
@@ -253,7 +259,16 @@ def _backward(ctx, grads):
     wanted = [t for t in inputs if t.requires_grad]
     found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
                                      allow_unused=True) if pairs and wanted else ())
-    return None, [next(found, None) if t.requires_grad else None for t in inputs]
+    grads = [next(found, None) if t.requires_grad else None for t in inputs]
+    written = [i for i, t in enumerate(inputs) if i not in ctx.parameters and t.grad is not None]
+    if written:                                                                 # Rule 4
+        raise ValueError(
+            f"the backward of the custom autograd Function {function_called_by(ctx.key)} "
+            f"sets .grad of its input {written[0]} itself, which superneurons passes as a "
+            "tensor of its own (with state=\"host\", a parameter's device copy): the write "
+            "would be lost. Return the gradient from backward instead, or wrap with "
+            "state=\"device\".")
+    return None, grads
 
 
 FUNCTION_OP.register_autograd(_backward, setup_context=_setup_context)
