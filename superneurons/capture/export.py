@@ -182,9 +182,11 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "with a batch of 2 or more (or inputs large enough to leave more than one "
                 "pixel there).") from error
         raise ValueError(
-            f"calling {type(model).__name__} with these arguments fails: {message}. Check "
-            "their number, shapes and dtypes; if the model runs plainly with them, torch.export "
-            "cannot capture it: file an issue with the model.") from error
+            f"torch.export could not capture {type(model).__name__} called with these "
+            f"arguments: {message}. If the model fails so when called plainly, check their "
+            "number, shapes and dtypes; if it runs plainly, export cannot take its forward: "
+            f"wrap a part of it in its place{children_of(model)}, and file an issue with the "
+            "model.") from error
     if functorch_transforms(program.graph_module):
         autograd_python.append("runs a functorch transform (torch.vmap, torch.func)")
     if autograd_python:
