@@ -317,3 +317,23 @@ def test_complex_values_are_traced_as_differentiable():
 def test_a_complex_rotary_trains_as_plain(policy):
     assert_same_training(ComplexRotary(), X, None, policy=policy,
                          loss_fn=lambda out, _: out.square().mean())
+
+
+class NormalizedWithoutGrad(nn.Module):
+    """A model without children, its own forward holding a no-grad region: fx, which traces the
+    zoo's networks, would trace through it and drop the region (capture/trace.py Rule 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 32)
+
+    def forward(self, x):
+        h = x @ self.weight
+        with torch.no_grad():
+            scale = h.abs().mean()
+        return F.log_softmax(h / scale, -1)
+
+
+def test_a_model_without_children_is_captured_with_its_regions():
+    assert_same_training(NormalizedWithoutGrad(), torch.randn(4, 32), torch.randint(0, 32, (4,)),
+                         policy="superneurons")

@@ -117,6 +117,23 @@ def test_a_custom_function_trains_with_its_own_backward(policy, device):
                if name != "weight")                  # Projected's backward gives it none
 
 
+class AppliesAtTheTop(nn.Module):
+    """A model without children: its own forward applies the Function."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 32)
+
+    def forward(self, x):
+        return Scaled.apply(x @ self.weight, 2.0)
+
+
+@pytest.mark.parametrize("policy", ["liveness", "superneurons"])
+def test_a_model_without_children_keeps_its_functions_backward(policy):
+    """fx, which traces the zoo, would trace through it and drop Scaled's backward."""
+    assert_same_training(AppliesAtTheTop(), X, None, policy=policy, loss_fn=_loss)
+
+
 def test_a_custom_function_reads_its_parameters_from_the_host(device):
     """The Function is given the parameters' device copies (functions.py Rule 4)."""
     model = AppliesFunctions()
@@ -272,6 +289,47 @@ class AppliesSetsTheGradient(nn.Module):
 
     def forward(self, x):
         return SetsTheGradient.apply(self.a(x), self.weight)
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_the_function_is_given_a_parameter_where_the_model_has_one(state):
+    """ReadsParameter's backward tells a Parameter by its type: with the state on the host it
+    is given the device copy as a Parameter too (Rule 4)."""
+    model = AsTheFunctionSays()
+    plain = copy.deepcopy(model)
+    expected = train(plain, X, None, 3, loss_fn=_loss)
+    where = {"state": "host", "device": "cpu"} if state == "host" else {}
+    got = train(sn.wrap(model, policy="superneurons", **where), X, None, 3, loss_fn=_loss)
+    assert torch.equal(torch.stack(expected), torch.stack(got))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+class AsksForMainGrad(torch.autograd.Function):
+    """Megatron's fused weight-gradient accumulation asks the weight for its main_grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        fused = hasattr(weight, "main_grad")
+        return grad @ weight.t(), None if fused else x.flatten(0, -2).t() @ grad.flatten(0, -2)
+
+
+def test_a_parameters_own_attribute_asked_for_with_the_state_on_the_host_is_refused():
+    class Applied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(32, 32) / 32)
+
+        def forward(self, x):
+            return AsksForMainGrad.apply(x, self.weight)
+    wrapped = sn.wrap(Applied(), policy="superneurons", state="host", device="cpu")
+    with pytest.raises(ValueError, match="attribute 'main_grad' of a parameter"):
+        _loss(wrapped(X), None).backward()
 
 
 def test_a_backward_that_sets_a_parameters_grad_trains_or_is_refused():

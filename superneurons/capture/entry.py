@@ -43,10 +43,12 @@ def example_args(example_input) -> tuple:
 
 def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Rule 1: fx replays a forward exactly only where the project knows that forward: one
-    tensor in, modules with children from the zoo or torch.nn's containers, no hooks."""
+    tensor in, the model and its modules with children from the zoo or torch.nn's containers
+    (fx runs the others, leaves, as they are; a model without children it traces through,
+    where a custom autograd Function would lose its backward), no hooks."""
     if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
         return False
-    return all(not module._modules or type(module) in _CONTAINERS
+    return all((module is not model and not module._modules) or type(module) in _CONTAINERS
                or type(module).__module__.startswith("superneurons.models")
                for module in model.modules())
 

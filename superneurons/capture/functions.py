@@ -35,10 +35,11 @@ Rule 4: a parameter the Function takes reaches its backward as itself (a backwar
         its .grad or reads its attributes sees the parameter, as in plain PyTorch; it is held,
         not saved, so the Tensor Pool does not stand in for it); other inputs as tensors of
         their own, so that its backward stops at them. With state="host" a layer reads device
-        copies of the parameters (runtime/state.py Rule 1), and so does the Function: a
-        backward that tells a Parameter by its type or attributes sees a tensor, and one that
-        writes an input's .grad itself, not returning the gradient, is refused as it
-        returns (the write would be lost).
+        copies of the parameters (runtime/state.py Rule 1), and so does the Function, each
+        as a Parameter where capture saw one (_DeviceCopy): one that asks for an attribute
+        the model's parameter has and the copy has not (Megatron's main_grad), or whose
+        backward writes an input's .grad itself, not returning the gradient, is refused as
+        it runs (the write would be lost).
 Rule 5: a call is named by an index into this process's table of Functions and the constants
         of their calls (the operation's one integer argument), constants telling 0.0 from
         -0.0 and a NaN one constant; a graph holds it for the process's life.
@@ -60,6 +61,7 @@ class _Call:
     function: type              # the torch.autograd.Function subclass
     spec: pytree.TreeSpec       # of its positional arguments
     constants: list             # the arguments' leaves, _TENSOR where a tensor goes
+    parameters: tuple           # positions among its tensors that held a Parameter (Rule 4)
     single: bool | None = None  # whether its forward returns one tensor (None: not yet run)
     refusal: str | None = None  # why it cannot be captured (Rule 2)
     non_differentiable: tuple | None = None   # output indices (Rule 3; None: not yet found)
@@ -94,15 +96,17 @@ def as_operation(function: type, args: tuple) -> tuple:
     tensors = [t for arg in args for t in ([arg] if isinstance(arg, torch.Tensor) else [
         leaf.detach() for leaf in pytree.tree_leaves(arg) if isinstance(leaf, torch.Tensor)])]
     constants = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    parameters = tuple(i for i, t in enumerate(tensors) if isinstance(t, nn.Parameter))
     if any(isinstance(c, nn.Module) for c in constants):
         return None, (f"applies the custom autograd Function {function.__module__}."
                       f"{function.__qualname__} to a module, whose tensors the captured graph "
                       "would not see: pass the module's tensors to it instead")
     key = next((i for i, call in enumerate(_CALLS) if call.function is function
-                and call.spec == spec and _same(call.constants, constants)), None)
+                and call.spec == spec and call.parameters == parameters
+                and _same(call.constants, constants)), None)
     if key is None:
         key = len(_CALLS)
-        _CALLS.append(_Call(function, spec, constants))
+        _CALLS.append(_Call(function, spec, constants, parameters))
     out = FUNCTION_OP(key, tensors)
     call = _CALLS[key]
     if call.refusal is not None:
@@ -118,8 +122,36 @@ def function_called(node) -> str | None:
 
 
 def function_called_by(key: int) -> str:
-    function = _CALLS[key].function
-    return f"{function.__module__}.{function.__qualname__}"
+    return _name(_CALLS[key])
+
+
+class _DeviceCopy(nn.Parameter):
+    """Rule 4: a parameter's device copy (state="host") as the Function is given it, a
+    Parameter; attributes the model's own had (Megatron's main_grad) it has not: asked for,
+    even by hasattr, they raise a ValueError that says so."""
+
+    def __new__(cls, copy: torch.Tensor, requires_grad: bool):
+        return super().__new__(cls, copy.detach(), requires_grad)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):              # torch's own probes (hasattr) stay as they are
+            raise AttributeError(name)
+        raise ValueError(
+            f"a custom autograd Function asked for the attribute {name!r} of a parameter; with "
+            "state=\"host\" superneurons gives it the parameter's device copy, which has only "
+            "a tensor's attributes: wrap with state=\"device\"")
+
+
+def _as_parameters(call: _Call, tensors: list, needs: list | None = None) -> list:
+    """The tensors, those in places that held a Parameter at capture as one (Rule 4)."""
+    if not call.parameters:
+        return tensors
+    given = list(tensors)
+    for i in call.parameters:
+        if not isinstance(given[i], nn.Parameter):
+            given[i] = _DeviceCopy(given[i], given[i].requires_grad if needs is None
+                                   else needs[i])
+    return given
 
 
 def _same(a: list, b: list) -> bool:
@@ -150,7 +182,7 @@ def run_forward(key: int, tensors: list, keep_random: bool = True) -> list:
     if keep_random:
         _local.states = _random_states(tensors)
     with _calling(), torch.no_grad(), _traced(tensors):
-        out = call.function.apply(*_arguments(call, tensors))
+        out = call.function.apply(*_arguments(call, _as_parameters(call, tensors)))
     single = isinstance(out, torch.Tensor)
     outputs = [out] if single else list(out) if isinstance(out, (tuple, list)) else [out]
     if not all(isinstance(o, torch.Tensor) for o in outputs):
@@ -246,8 +278,10 @@ def _backward(ctx, grads):
     """Rule 1: the forward again, then the Function's own backward through it."""
     call = _CALLS[ctx.key]
     saved = [ctx.parameters.get(i, t) for i, t in enumerate(ctx.saved_tensors)]
-    inputs = [t if i in ctx.parameters else t.detach().requires_grad_(need)       # Rule 4
-              for i, (t, need) in enumerate(zip(saved, ctx.needs))]
+    inputs = _as_parameters(call, [t if i in ctx.parameters else t.detach()      # Rule 4
+                                   for i, t in enumerate(saved)], ctx.needs)
+    inputs = [t if isinstance(t, nn.Parameter) else t.requires_grad_(need)
+              for t, need in zip(inputs, ctx.needs)]
     with contextlib.ExitStack() as regions:
         for region in (_calling(), _random_as(ctx.random), torch.enable_grad(), _traced(inputs),
                        *[torch.autocast(device, dtype=dtype, enabled=enabled)

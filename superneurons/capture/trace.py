@@ -1,7 +1,8 @@
 """Capture: any nn.Module as a graph of layers, then each layer run on the meta device.
 
 Rule 1 (entry.py applies it): a model whose forward code the project wrote (the zoo, torch.nn
-        containers) is traced by torch.fx down to its leaf modules, which run as layers;
+        containers; not a model without children, whose forward is its own code) is traced
+        by torch.fx down to its leaf modules, which run as layers;
         functions and tensor methods between leaves (add, cat, flatten) are layers too. Any
         other model is captured by torch.export (export.py), whose ATen operations are the
         layers: fx drops grad-mode and autocast regions and cannot follow control flow, export
