@@ -310,24 +310,32 @@ class AsksForMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
+        ctx.fused = hasattr(weight, "main_grad")
         return x @ weight
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        fused = hasattr(weight, "main_grad")
+        fused = ctx.fused or hasattr(weight, "main_grad")
         return grad @ weight.t(), None if fused else x.flatten(0, -2).t() @ grad.flatten(0, -2)
 
 
-def test_a_parameters_own_attribute_asked_for_with_the_state_on_the_host_is_refused():
-    class Applied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(32, 32) / 32)
+class AppliesAsksForMainGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 32)
 
-        def forward(self, x):
-            return AsksForMainGrad.apply(x, self.weight)
-    wrapped = sn.wrap(Applied(), policy="superneurons", state="host", device="cpu")
+    def forward(self, x):
+        return AsksForMainGrad.apply(x, self.weight)
+
+
+def test_a_parameters_own_attribute_asked_for_with_the_state_on_the_host_is_refused():
+    """On the device the Function asks the Parameter itself (captured on a twin that has no
+    such attribute either, which must not refuse it); on the host, its copy."""
+    assert_same_training(AppliesAsksForMainGrad(), X, None, policy="superneurons",
+                         loss_fn=_loss)
+    wrapped = sn.wrap(AppliesAsksForMainGrad(), policy="superneurons", state="host",
+                      device="cpu")
     with pytest.raises(ValueError, match="attribute 'main_grad' of a parameter"):
         _loss(wrapped(X), None).backward()
 

@@ -51,6 +51,7 @@ import threading
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 __all__ = ["FUNCTION_OP", "as_operation", "run_forward", "calling", "function_called"]
@@ -143,14 +144,16 @@ class _DeviceCopy(nn.Parameter):
 
 
 def _as_parameters(call: _Call, tensors: list, needs: list | None = None) -> list:
-    """The tensors, those in places that held a Parameter at capture as one (Rule 4)."""
+    """The tensors, a device copy in a place that held a Parameter at capture as one (Rule 4).
+    Where the state is on the device a step gives the Parameter itself there, and capture a
+    twin (meta or fake), which stays as it is."""
     if not call.parameters:
         return tensors
     given = list(tensors)
     for i in call.parameters:
-        if not isinstance(given[i], nn.Parameter):
-            given[i] = _DeviceCopy(given[i], given[i].requires_grad if needs is None
-                                   else needs[i])
+        tensor = given[i]
+        if not isinstance(tensor, (nn.Parameter, FakeTensor)) and not tensor.is_meta:
+            given[i] = _DeviceCopy(tensor, tensor.requires_grad if needs is None else needs[i])
     return given
 
 
