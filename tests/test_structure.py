@@ -1,6 +1,7 @@
 """The wrapper's list of its model's modules and parameters (runtime/structure.py): read again
 when the model changes, however it changes, not walked at every call."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,13 +68,13 @@ class _Scheduled(nn.Module):
         return F.log_softmax(self.head(self.drop(self.norm(torch.relu(self.body(x))))), -1)
 
 
-def _scheduled_training(model, x, y):
+def _scheduled_training(model, x, y, number=float):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
     losses = []
     module = getattr(model, "model", model)
     for p, eps in [(0.1, 1e-5), (0.5, 1e-5), (0.5, 0.5), (0.1, 1e-5)]:
-        module.drop.p, module.norm.eps = p, eps
+        module.drop.p, module.norm.eps = number(p), eps
         optimizer.zero_grad()
         loss = F.nll_loss(model(x), y)
         loss.backward()
@@ -82,16 +83,18 @@ def _scheduled_training(model, x, y):
     return torch.stack(losses)
 
 
-def test_a_scalar_changed_between_steps_is_the_value_the_step_trains_with():
+@pytest.mark.parametrize("number", [float, np.float32], ids=["float", "numpy"])
+def test_a_scalar_changed_between_steps_is_the_value_the_step_trains_with(number):
+    """A schedule's values are Python's floats, or numpy's (np.linspace's)."""
     torch.manual_seed(0)
     model, x, y = _Scheduled(), torch.randn(6, 8), torch.randint(0, 3, (6,))
     plain, managed = _Scheduled(), _Scheduled()
     plain.load_state_dict(model.state_dict())
     managed.load_state_dict(model.state_dict())
-    expected = _scheduled_training(plain, x, y)
+    expected = _scheduled_training(plain, x, y, number)
     wrapped = sn.wrap(managed, policy="recompute")
-    with pytest.warns(UserWarning, match=r"drop\.p changed from 0\.1 to 0\.5"):
-        got = _scheduled_training(wrapped, x, y)
+    with pytest.warns(UserWarning, match=r"drop\.p changed from .*0\.1.* to .*0\.5"):
+        got = _scheduled_training(wrapped, x, y, number)
     assert torch.equal(expected, got), (expected, got)
     for a, b in zip(plain.parameters(), managed.parameters()):
         assert torch.equal(a, b)

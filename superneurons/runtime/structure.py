@@ -15,14 +15,18 @@ changed between steps (a dropout schedule) would otherwise train on the old one,
 Read per call from lists made with the others, by C iterators alone.
 """
 
+import numbers
 import warnings
 from itertools import chain
 
 from torch import nn
 
-# what capture takes as a constant and a key can compare; a module's tensors, tuples (kernel
-# sizes, strides) and objects (an HF config) are not read here
-SCALARS = frozenset({bool, int, float, str, type(None)})
+
+def is_scalar(value) -> bool:
+    """What capture takes as a constant and a key can compare: numbers (numpy's too: a schedule
+    of np.linspace's values), strings and None; a module's tensors, tuples (kernel sizes,
+    strides) and objects (an HF config) are not read here."""
+    return isinstance(value, (numbers.Number, str, type(None)))
 
 
 class Structure:
@@ -37,6 +41,7 @@ class Structure:
         self._scalar_dicts: list = []    # per scalar attribute: its module's __dict__, name
         self._scalar_names: list = []
         self._scalar_paths: list = []    # and its qualified name, for the warning
+        self._scalar_types: frozenset = frozenset()     # the types of their values as listed
         self._last_scalars: tuple | None = None
         self._warned = False
 
@@ -60,16 +65,19 @@ class Structure:
     def _list_scalars(self, named: list) -> None:
         """The public scalar attributes of every module (``training`` is keyed on its own)."""
         self._scalar_dicts, self._scalar_names, self._scalar_paths = [], [], []
+        types = set()
         for path, module in named:
             for name, value in module.__dict__.items():
-                if type(value) in SCALARS and name != "training" and not name.startswith("_"):
+                if is_scalar(value) and name != "training" and not name.startswith("_"):
                     self._scalar_dicts.append(module.__dict__)
                     self._scalar_names.append(name)
                     self._scalar_paths.append(f"{path}.{name}" if path else name)
+                    types.add(type(value))
+        self._scalar_types = frozenset(types)
 
     def _scalars(self) -> tuple:
         values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
-        if not set(map(type, values)) <= SCALARS:       # one became a tensor or an object
+        if not set(map(type, values)) <= self._scalar_types:    # a tensor now, or np.float64
             self._list_scalars(list(self.model.named_modules()))
             values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
         last, self._last_scalars = self._last_scalars, values
