@@ -107,3 +107,39 @@ def test_a_scalar_that_becomes_a_tensor_leaves_the_key():
     first = structure.read()[0]
     model[0].p = torch.tensor(0.2)               # an object now: not a constant of the key
     assert len(structure.read()[0][2]) == len(first[2]) - 1
+
+
+def test_a_flag_in_a_config_the_forward_reads_is_keyed():
+    """nanoGPT's and HF's modules hold a config whose flags the forward reads (Gemma2's logit
+    softcapping): changed between steps, the step trains on the new value, as plain does."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Config:
+        softcap: float = 30.0
+
+    class Capped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, self.lin = Config(), nn.Linear(8, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return F.log_softmax(torch.tanh(logits / self.config.softcap) * 3.0, -1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    plain, managed = Capped(), Capped()
+    managed.load_state_dict(plain.state_dict())
+    losses = []
+    for model, call in ((plain, plain), (managed, sn.wrap(managed, policy="recompute"))):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses.append([])
+        for softcap in (30.0, 0.5, 0.5):
+            model.config.softcap = softcap
+            optimizer.zero_grad()
+            loss = F.nll_loss(call(x), y)
+            loss.backward()
+            optimizer.step()
+            losses[-1].append(loss.item())
+    assert losses[0] == losses[1]

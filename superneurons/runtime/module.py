@@ -2,7 +2,7 @@
 
 Rule 1: the plan is made at the first forward for each input structure, tensor shape and
         dtype, value of every non-tensor argument (a captured graph specializes on them),
-        every module's training mode and scalar attributes (a dropout's p: structure.py),
+        every module's training mode and scalars (a dropout's p, its config's: structure.py),
         every parameter's requires_grad and the autocast state, and reused (bf16 autocast
         holds about half the bytes) while among the MAX_PLANS used last (Rule 5). Other Python
         state the forward reads is fixed at capture: replan() after changing it.

@@ -10,15 +10,17 @@ kept, and each call checks that every module still holds the same children and p
 accelerate and torch.ao's convert make). PyTorch's registration hooks alone missed those.
 
 The key also holds every module's public scalar attributes (a dropout's p, a norm's eps, an
-attention's scaling): capture bakes the values the forward reads into the graph, so a value
-changed between steps (a dropout schedule) would otherwise train on the old one, silently.
-Read per call from lists made with the others, by C iterators alone.
+attention's scaling) and those of a ``config`` a module holds: capture bakes the values the
+forward reads into the graph, so a value changed between steps (a dropout schedule) would
+otherwise train on the old one, silently. Read per call from lists made with the others, by C
+iterators alone.
 """
 
 import numbers
 import warnings
 from itertools import chain
 
+import torch
 from torch import nn
 
 
@@ -63,16 +65,25 @@ class Structure:
             self._list_scalars(named)
 
     def _list_scalars(self, named: list) -> None:
-        """The public scalar attributes of every module (``training`` is keyed on its own)."""
+        """The public scalar attributes of every module (``training`` is keyed on its own) and
+        of the objects modules hold as ``config`` (HF's, nanoGPT's: the forward reads flags
+        there, Gemma2's logit softcapping), each object once."""
         self._scalar_dicts, self._scalar_names, self._scalar_paths = [], [], []
-        types = set()
+        types, configs = set(), set()
         for path, module in named:
-            for name, value in module.__dict__.items():
-                if is_scalar(value) and name != "training" and not name.startswith("_"):
-                    self._scalar_dicts.append(module.__dict__)
-                    self._scalar_names.append(name)
-                    self._scalar_paths.append(f"{path}.{name}" if path else name)
-                    types.add(type(value))
+            owners = [(path, module.__dict__)]
+            config = module.__dict__.get("config")
+            if hasattr(config, "__dict__") and not isinstance(config, (nn.Module, torch.Tensor)) \
+                    and id(config) not in configs:
+                configs.add(id(config))
+                owners.append((f"{path}.config" if path else "config", vars(config)))
+            for where, attributes in owners:
+                for name, value in attributes.items():
+                    if is_scalar(value) and name != "training" and not name.startswith("_"):
+                        self._scalar_dicts.append(attributes)
+                        self._scalar_names.append(name)
+                        self._scalar_paths.append(f"{where}.{name}" if where else name)
+                        types.add(type(value))
         self._scalar_types = frozenset(types)
 
     def _scalars(self) -> tuple:
