@@ -1,8 +1,8 @@
 """Host time the wrapper spends on its own bookkeeping, on the CPU (no device needed):
 
-- per call, the plan key's read of every module's training mode and every parameter's
-  requires_grad (runtime/structure.py) on torchvision's DenseNet-121, against walking the
-  module tree at every call as the wrapper did before;
+- per call, the plan key's read of every module's training mode, every parameter's
+  requires_grad and the modules' scalar attributes (runtime/structure.py) on torchvision's
+  DenseNet-121, against walking the module tree at every call as the wrapper did before;
 - per plan, a budget's search with the state on the host: how many plans of one graph it
   builds and the time spent listing the graph's state tensors (planner/state.py);
 - per saved tensor, the executor's check that it was not written in place since it was saved
@@ -31,9 +31,12 @@ def key_read() -> dict:
                 tuple(p.requires_grad for p in model.parameters()))
     kept = min(timeit.repeat(structure.read, number=200, repeat=5)) / 200
     walked = min(timeit.repeat(walk, number=50, repeat=5)) / 50
+    scalars = min(timeit.repeat(structure._scalars, number=200, repeat=5)) / 200
     return {"model": "torchvision densenet121", "modules": len(list(model.modules())),
             "parameters": len(list(model.parameters())),
-            "kept_lists_checked_ms": kept * 1e3, "tree_walked_ms": walked * 1e3}
+            "kept_lists_checked_ms": kept * 1e3, "tree_walked_ms": walked * 1e3,
+            # of the first: the modules' scalar attributes, keyed (module Rule 1)
+            "scalar_attributes": len(structure._scalar_names), "scalars_read_ms": scalars * 1e3}
 
 
 def state_listing(n3: int = 100) -> dict:
