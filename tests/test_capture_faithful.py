@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import superneurons as sn
-from equality import assert_same_training
+from equality import assert_same_training, train
 
 X = torch.randn(2, 16, 32)
 
@@ -337,3 +337,19 @@ class NormalizedWithoutGrad(nn.Module):
 def test_a_model_without_children_is_captured_with_its_regions():
     assert_same_training(NormalizedWithoutGrad(), torch.randn(4, 32), torch.randint(0, 32, (4,)),
                          policy="superneurons")
+
+
+def test_a_forward_set_on_a_containers_instance_is_the_one_captured():
+    """accelerate's prepare() sets an autocast forward on the model instance; fx, which traces
+    torch.nn's containers, would trace the class's forward and drop it (trace.py Rule 1)."""
+    def prepared():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        own = model.forward
+        model.forward = lambda x: F.log_softmax(own(x) * 0.5, -1)
+        return model
+    x, y = torch.randn(4, 32), torch.randint(0, 32, (4,))
+    plain, managed = prepared(), prepared()
+    expected = train(plain, x, y, 3)
+    got = train(sn.wrap(managed, policy="superneurons"), x, y, 3)
+    assert torch.equal(torch.stack(expected), torch.stack(got))

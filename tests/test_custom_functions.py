@@ -311,7 +311,8 @@ class AsksForMainGrad(torch.autograd.Function):
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
         ctx.fused = hasattr(weight, "main_grad")
-        return x @ weight
+        scale = 2.0 if getattr(weight, "sequence_parallel", False) else 1.0
+        return x @ weight * scale
 
     @staticmethod
     def backward(ctx, grad):
@@ -329,13 +330,24 @@ class AppliesAsksForMainGrad(nn.Module):
         return AsksForMainGrad.apply(x, self.weight)
 
 
-def test_a_parameters_own_attribute_asked_for_with_the_state_on_the_host_is_refused():
+def test_a_parameters_own_attribute_asked_for_with_the_state_on_the_host():
     """On the device the Function asks the Parameter itself (captured on a twin that has no
-    such attribute either, which must not refuse it); on the host, its copy."""
+    such attribute, which must not refuse it). On the host it asks the copy: an attribute the
+    parameter lacks is missing there too, a flag of the parameter's is read from it, and its
+    main_grad, a host tensor, is refused."""
     assert_same_training(AppliesAsksForMainGrad(), X, None, policy="superneurons",
                          loss_fn=_loss)
-    wrapped = sn.wrap(AppliesAsksForMainGrad(), policy="superneurons", state="host",
-                      device="cpu")
+    on_host = dict(policy="superneurons", state="host", device="cpu")
+    assert_same_training(AppliesAsksForMainGrad(), X, None, loss_fn=_loss, **on_host)
+    flagged = AppliesAsksForMainGrad()
+    plain = copy.deepcopy(flagged)             # a deep copy drops a parameter's attributes
+    flagged.weight.sequence_parallel = plain.weight.sequence_parallel = True
+    expected = train(plain, X, None, 3, loss_fn=_loss)
+    got = train(sn.wrap(flagged, **on_host), X, None, 3, loss_fn=_loss)
+    assert torch.equal(torch.stack(expected), torch.stack(got))
+    model = AppliesAsksForMainGrad()
+    model.weight.main_grad = torch.zeros_like(model.weight)
+    wrapped = sn.wrap(model, policy="superneurons", state="host", device="cpu")
     with pytest.raises(ValueError, match="attribute 'main_grad' of a parameter"):
         _loss(wrapped(X), None).backward()
 

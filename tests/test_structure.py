@@ -143,3 +143,40 @@ def test_a_flag_in_a_config_the_forward_reads_is_keyed():
             optimizer.step()
             losses[-1].append(loss.item())
     assert losses[0] == losses[1]
+
+
+class _ScaledByDefault(nn.Module):
+    """A scale the class holds, which a schedule sets on the instance; and a class held as a
+    config, a namespace of constants."""
+
+    scale = 1.0
+
+    class Constants:
+        shift = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.config = nn.Linear(8, 3), self.Constants
+
+    def forward(self, x):
+        return F.log_softmax(self.lin(x) * self.scale + self.config.shift, -1)
+
+
+def test_a_class_default_set_on_the_instance_is_keyed_and_a_class_config_is_not_read():
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    plain, managed = _ScaledByDefault(), _ScaledByDefault()
+    managed.load_state_dict(plain.state_dict())
+    losses = []
+    for model, call in ((plain, plain), (managed, sn.wrap(managed, policy="recompute"))):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses.append([])
+        for step in range(3):
+            if step == 1:
+                model.scale = 3.0
+            optimizer.zero_grad()
+            loss = F.nll_loss(call(x), y)
+            loss.backward()
+            optimizer.step()
+            losses[-1].append(loss.item())
+    assert losses[0] == losses[1]

@@ -45,11 +45,15 @@ def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Rule 1: fx replays a forward exactly only where the project knows that forward: one
     tensor in, the model and its modules with children from the zoo or torch.nn's containers
     (fx runs the others, leaves, as they are; a model without children it traces through,
-    where a custom autograd Function would lose its backward), no hooks."""
+    where a custom autograd Function would lose its backward), each with its class's forward
+    (fx traces the class's: accelerate's prepare() sets an autocast forward on the instance),
+    no hooks."""
     if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
         return False
-    return all((module is not model and not module._modules) or type(module) in _CONTAINERS
-               or type(module).__module__.startswith("superneurons.models")
+    return all((module is not model and not module._modules) or (
+        "forward" not in module.__dict__ and (type(module) in _CONTAINERS or
+                                              type(module).__module__.startswith(
+                                                  "superneurons.models")))
                for module in model.modules())
 
 

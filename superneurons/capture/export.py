@@ -181,12 +181,13 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict, device=None,
                 "batch norm in training mode needs more than one value per channel: train "
                 "with a batch of 2 or more (or inputs large enough to leave more than one "
                 "pixel there).") from error
+        parts = children_of(model)
         raise ValueError(
             f"torch.export could not capture {type(model).__name__} called with these "
-            f"arguments: {message}. If the model fails so when called plainly, check their "
-            "number, shapes and dtypes; if it runs plainly, export cannot take its forward: "
-            f"wrap a part of it in its place{children_of(model)}, and file an issue with the "
-            "model.") from error
+            f"arguments: {message.rstrip('.')}. If the model fails so when called plainly, "
+            "check their number, shapes and dtypes; if it runs plainly, export cannot take its "
+            "forward: " + (f"wrap a part of it in its place{parts}, and " if parts else "")
+            + "file an issue with the model.") from error
     if functorch_transforms(program.graph_module):
         autograd_python.append("runs a functorch transform (torch.vmap, torch.func)")
     if autograd_python:

@@ -128,19 +128,28 @@ def function_called_by(key: int) -> str:
 
 class _DeviceCopy(nn.Parameter):
     """Rule 4: a parameter's device copy (state="host") as the Function is given it, a
-    Parameter; attributes the model's own had (Megatron's main_grad) it has not: asked for,
-    even by hasattr, they raise a ValueError that says so."""
+    Parameter. An attribute of the model's parameter that the copy lacks is read from the
+    parameter where it is a flag (Megatron's sequence_parallel); any other (its main_grad, a
+    host tensor) raises a ValueError that says so, hasattr included. One the parameter lacks
+    too is missing, as it is there (getattr's default)."""
 
     def __new__(cls, copy: torch.Tensor, requires_grad: bool):
-        return super().__new__(cls, copy.detach(), requires_grad)
+        given = super().__new__(cls, copy.detach(), requires_grad)
+        given._superneurons_host = getattr(copy, "superneurons_copy_of", None)  # state.py's
+        return given
 
     def __getattr__(self, name: str):
-        if name.startswith("_"):              # torch's own probes (hasattr) stay as they are
-            raise AttributeError(name)
+        host = self.__dict__.get("_superneurons_host")
+        if name.startswith("_") or host is None or not hasattr(host, name):
+            raise AttributeError(name)        # torch's own probes (hasattr) stay as they are
+        value = getattr(host, name)
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return value
         raise ValueError(
             f"a custom autograd Function asked for the attribute {name!r} of a parameter; with "
-            "state=\"host\" superneurons gives it the parameter's device copy, which has only "
-            "a tensor's attributes: wrap with state=\"device\"")
+            "state=\"host\" superneurons gives it the parameter's device copy, and the "
+            f"parameter's {name} is a {type(value).__name__} in host memory: wrap with "
+            "state=\"device\"")
 
 
 def _as_parameters(call: _Call, tensors: list, needs: list | None = None) -> list:
@@ -299,12 +308,13 @@ def _backward(ctx, grads):
     grads = [next(found, None) if t.requires_grad else None for t in inputs]
     written = [i for i, t in enumerate(inputs) if i not in ctx.parameters and t.grad is not None]
     if written:                                                                 # Rule 4
+        copy = isinstance(inputs[written[0]], _DeviceCopy)
         raise ValueError(
             f"the backward of the custom autograd Function {function_called_by(ctx.key)} "
-            f"sets .grad of its input {written[0]} itself, which superneurons passes as a "
-            "tensor of its own (with state=\"host\", a parameter's device copy): the write "
-            "would be lost. Return the gradient from backward instead, or wrap with "
-            "state=\"device\".")
+            f"sets .grad of its input {written[0]} itself, which superneurons passes as "
+            + ("the parameter's device copy (state=\"host\")" if copy else
+               "a tensor of its own") + ": the write would be lost. Return the gradient from "
+            "backward instead" + (", or wrap with state=\"device\"." if copy else "."))
     return None, grads
 
 

@@ -88,7 +88,9 @@ class StateRef:
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: a model parameter of shape {tuple(self.host.shape)} changed "
                 "between forward and backward (an optimizer step before backward?)")
-        return rebuild(self.tier.fetch_saved(self.host), self.view)
+        copy = rebuild(self.tier.fetch_saved(self.host), self.view)
+        copy.superneurons_copy_of = self.host
+        return copy
 
 
 def check_state_tier(model: nn.Module) -> None:
@@ -305,6 +307,7 @@ class StateTier:
         """``host``'s device copy for a layer; ``trains``: autograd takes the copy's gradient
         to the parameter (a forward, not a replay)."""
         copy = rebuild(self.fetch_bytes(host), view_of(host))
+        copy.superneurons_copy_of = host        # what a custom Function asks of it (functions.py)
         if trains and host.requires_grad and torch.is_grad_enabled():
             return _Fetch.apply(host, self, (copy,))
         return copy.requires_grad_(host.requires_grad and torch.is_grad_enabled())

@@ -44,7 +44,9 @@ class Structure:
         self._scalar_names: list = []
         self._scalar_paths: list = []    # and its qualified name, for the warning
         self._scalar_types: frozenset = frozenset()     # the types of their values as listed
-        self._last_scalars: tuple | None = None
+        self._last_scalars: tuple | None = None     # (paths, values) of the last read
+        self._owners: list = []          # every __dict__ read (modules', configs')
+        self._owner_sizes: tuple = ()
         self._warned = False
 
     def _seen(self) -> tuple:
@@ -67,17 +69,19 @@ class Structure:
     def _list_scalars(self, named: list) -> None:
         """The public scalar attributes of every module (``training`` is keyed on its own) and
         of the objects modules hold as ``config`` (HF's, nanoGPT's: the forward reads flags
-        there, Gemma2's logit softcapping), each object once."""
+        there, Gemma2's logit softcapping), each object once; a class held as a config, whose
+        attributes are its type's, is not read."""
         self._scalar_dicts, self._scalar_names, self._scalar_paths = [], [], []
-        types, configs = set(), set()
+        self._owners, types, configs = [], set(), set()
         for path, module in named:
             owners = [(path, module.__dict__)]
             config = module.__dict__.get("config")
-            if hasattr(config, "__dict__") and not isinstance(config, (nn.Module, torch.Tensor)) \
-                    and id(config) not in configs:
+            if type(getattr(config, "__dict__", None)) is dict and id(config) not in configs \
+                    and not isinstance(config, (nn.Module, torch.Tensor)):
                 configs.add(id(config))
                 owners.append((f"{path}.config" if path else "config", vars(config)))
             for where, attributes in owners:
+                self._owners.append(attributes)
                 for name, value in attributes.items():
                     if is_scalar(value) and name != "training" and not name.startswith("_"):
                         self._scalar_dicts.append(attributes)
@@ -85,28 +89,36 @@ class Structure:
                         self._scalar_paths.append(f"{where}.{name}" if where else name)
                         types.add(type(value))
         self._scalar_types = frozenset(types)
+        self._owner_sizes = tuple(map(len, self._owners))
 
     def _scalars(self) -> tuple:
         values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
-        if not set(map(type, values)) <= self._scalar_types:    # a tensor now, or np.float64
+        # listed again where a value is of another type now (a tensor, np.float64) or an owner
+        # holds other names (a class's default set on the instance by a schedule)
+        if not set(map(type, values)) <= self._scalar_types or \
+                tuple(map(len, self._owners)) != self._owner_sizes:
             self._list_scalars(list(self.model.named_modules()))
             values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
-        last, self._last_scalars = self._last_scalars, values
-        if last is not None and len(last) == len(values) and last != values:
-            self._warn(last, values)
+        last, self._last_scalars = self._last_scalars, (tuple(self._scalar_paths), values)
+        if last is not None and last[1] != values:
+            self._warn(dict(zip(*last)), dict(zip(self._scalar_paths, values)))
         return values
 
-    def _warn(self, last: tuple, values: tuple) -> None:
+    def _warn(self, last: dict, now: dict) -> None:
         """Once per model: a scalar changed, so the step is captured again for its value."""
         if self._warned:
             return
+        changed = next((path for path, value in now.items()
+                        if path not in last or last[path] != value), None)
+        if changed is None:
+            return                             # one went away: nothing to name
         self._warned = True
-        at = next(i for i, (a, b) in enumerate(zip(last, values)) if a != b)
+        before = repr(last[changed]) if changed in last else "its class's value"
         warnings.warn(
-            f"superneurons: {self._scalar_paths[at]} changed from {last[at]!r} to "
-            f"{values[at]!r}, and a captured step takes it as a constant: the step is captured "
-            "again for the new value (seconds on a large model; each value's plan is kept "
-            "among wrapped.max_plans), as for every module attribute changed from now on",
+            f"superneurons: {changed} changed from {before} to "
+            f"{now[changed]!r}, and a captured step takes it as a constant: the step is "
+            "captured again for the new value (seconds on a large model; each value's plan is "
+            "kept among wrapped.max_plans), as for every module attribute changed from now on",
             stacklevel=5)
 
     def read(self) -> tuple:
