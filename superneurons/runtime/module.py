@@ -286,8 +286,8 @@ class SuperNeuronsModule(ReadsThrough, RefusesDDPOverHostState, nn.Module):
 
     def replan(self) -> None:
         """Forget every plan: the next step captures the model again. A captured graph fixes
-        the Python state the forward reads beyond the modules' own scalars (a flag in a
-        config, a global); call this after changing it."""
+        the Python state the forward reads beyond the scalars of the modules and their
+        configs (an object of another name, a global); call this after changing it."""
         while self._executors:
             self._drop_key(next(iter(self._executors)))
         self._dropped.clear()         # capturing again is asked for, not a cycle of shapes
