@@ -36,10 +36,10 @@ Rule 4: a parameter the Function takes reaches its backward as itself (a backwar
         not saved, so the Tensor Pool does not stand in for it); other inputs as tensors of
         their own, so that its backward stops at them. With state="host" a layer reads device
         copies of the parameters (runtime/state.py Rule 1), and so does the Function, each
-        as a Parameter where capture saw one (_DeviceCopy): one that asks for an attribute
-        the model's parameter has and the copy has not (Megatron's main_grad), or whose
-        backward writes an input's .grad itself, not returning the gradient, is refused as
-        it runs (the write would be lost).
+        as a Parameter where capture saw one (_DeviceCopy): a flag of the parameter's is read
+        from it; one that asks for another attribute the parameter has (Megatron's
+        main_grad, a host tensor), or whose backward writes an input's .grad itself, not
+        returning the gradient, is refused as it runs (the write would be lost).
 Rule 5: a call is named by an index into this process's table of Functions and the constants
         of their calls (the operation's one integer argument), constants telling 0.0 from
         -0.0 and a NaN one constant; a graph holds it for the process's life.
