@@ -4,6 +4,7 @@ first step. HF's BLOOM, which trains its GELU so, is a case of test_models_today
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -485,12 +486,13 @@ class Multiplied(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def test_a_nan_constant_is_one_call_at_every_capture():
+@pytest.mark.parametrize("nan", [float, np.float32], ids=["float", "numpy"])
+def test_a_nan_constant_is_one_call_at_every_capture(nan):
     from superneurons.capture import functions
 
     class NotANumber(nn.Module):
         def forward(self, x):
-            return Multiplied.apply(x, float("nan"))
+            return Multiplied.apply(x, nan("nan"))
     x = torch.ones(2, 3, requires_grad=True)
     sn.wrap(NotANumber(), policy="recompute")(x)
     calls = len(functions._CALLS)

@@ -47,6 +47,7 @@ Rule 5: a call is named by an index into this process's table of Functions and t
 
 import contextlib
 import dataclasses
+import numbers
 import threading
 
 import torch
@@ -172,8 +173,8 @@ def _same(a: list, b: list) -> bool:
     def equal(x, y) -> bool:
         if type(x) is not type(y):
             return False
-        if isinstance(x, (float, complex)):
-            return repr(x) == repr(y)             # -0.0 is not 0.0, a NaN is one (Rule 5)
+        if isinstance(x, numbers.Number) and not isinstance(x, numbers.Integral):
+            return repr(x) == repr(y)     # -0.0 is not 0.0, a NaN is one, numpy's too (Rule 5)
         try:
             return bool(x == y)
         except Exception:                                  # noqa: BLE001 -- any __eq__
