@@ -27,7 +27,7 @@ from torch import nn
 def is_scalar(value) -> bool:
     """What capture takes as a constant and a key can compare: numbers (numpy's too: a schedule
     of np.linspace's values), strings and None; a module's tensors, tuples (kernel sizes,
-    strides) and objects (an HF config) are not read here."""
+    strides) and objects are not (of an HF config, its own scalars are read)."""
     return isinstance(value, (numbers.Number, str, type(None)))
 
 
