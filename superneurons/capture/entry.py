@@ -50,10 +50,11 @@ def _fx_is_exact(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     no hooks."""
     if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or hooks_of(model):
         return False
-    return all((module is not model and not module._modules) or (
-        "forward" not in module.__dict__ and (type(module) in _CONTAINERS or
-                                              type(module).__module__.startswith(
-                                                  "superneurons.models")))
+    def ours(module: nn.Module) -> bool:
+        kind = type(module)
+        return "forward" not in module.__dict__ and (
+            kind in _CONTAINERS or kind.__module__.startswith("superneurons.models"))
+    return all(ours(module) or (module is not model and not module._modules)
                for module in model.modules())
 
 
