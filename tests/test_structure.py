@@ -68,19 +68,27 @@ class _Scheduled(nn.Module):
         return F.log_softmax(self.head(self.drop(self.norm(torch.relu(self.body(x))))), -1)
 
 
-def _scheduled_training(model, x, y, number=float):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def _trained(model, x, y, change, steps: int = 4, call=None, lr: float = 0.1) -> list:
+    """Losses of SGD steps of ``call`` (the model itself by default), ``change(model, step)``
+    setting the model's values before each."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     torch.manual_seed(1)
     losses = []
-    module = getattr(model, "model", model)
-    for p, eps in [(0.1, 1e-5), (0.5, 1e-5), (0.5, 0.5), (0.1, 1e-5)]:
-        module.drop.p, module.norm.eps = number(p), eps
+    for step in range(steps):
+        change(model, step)
         optimizer.zero_grad()
-        loss = F.nll_loss(model(x), y)
+        loss = F.nll_loss((call or model)(x), y)
         loss.backward()
         optimizer.step()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+        losses.append(loss.item())
+    return losses
+
+
+def _schedule(number):
+    def change(model, step):
+        p, eps = [(0.1, 1e-5), (0.5, 1e-5), (0.5, 0.5), (0.1, 1e-5)][step]
+        model.drop.p, model.norm.eps = number(p), eps
+    return change
 
 
 @pytest.mark.parametrize("number", [float, np.float32], ids=["float", "numpy"])
@@ -91,11 +99,11 @@ def test_a_scalar_changed_between_steps_is_the_value_the_step_trains_with(number
     plain, managed = _Scheduled(), _Scheduled()
     plain.load_state_dict(model.state_dict())
     managed.load_state_dict(model.state_dict())
-    expected = _scheduled_training(plain, x, y, number)
+    expected = _trained(plain, x, y, _schedule(number))
     wrapped = sn.wrap(managed, policy="recompute")
     with pytest.warns(UserWarning, match=r"drop\.p changed from .*0\.1.* to .*0\.5"):
-        got = _scheduled_training(wrapped, x, y, number)
-    assert torch.equal(expected, got), (expected, got)
+        got = _trained(managed, x, y, _schedule(number), call=wrapped)
+    assert expected == got, (expected, got)
     for a, b in zip(plain.parameters(), managed.parameters()):
         assert torch.equal(a, b)
     assert len(wrapped._executors) == 3        # the values of step 4 are step 1's: its plan
@@ -131,18 +139,12 @@ def test_a_flag_in_a_config_the_forward_reads_is_keyed():
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     plain, managed = Capped(), Capped()
     managed.load_state_dict(plain.state_dict())
-    losses = []
-    for model, call in ((plain, plain), (managed, sn.wrap(managed, policy="recompute"))):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses.append([])
-        for softcap in (30.0, 0.5, 0.5):
-            model.config.softcap = softcap
-            optimizer.zero_grad()
-            loss = F.nll_loss(call(x), y)
-            loss.backward()
-            optimizer.step()
-            losses[-1].append(loss.item())
-    assert losses[0] == losses[1]
+
+    def change(model, step):
+        model.config.softcap = (30.0, 0.5, 0.5)[step]
+    wrapped = sn.wrap(managed, policy="recompute")
+    assert _trained(plain, x, y, change, 3, lr=0.5) == \
+        _trained(managed, x, y, change, 3, call=wrapped, lr=0.5)
 
 
 class _ScaledByDefault(nn.Module):
@@ -167,16 +169,10 @@ def test_a_class_default_set_on_the_instance_is_keyed_and_a_class_config_is_not_
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     plain, managed = _ScaledByDefault(), _ScaledByDefault()
     managed.load_state_dict(plain.state_dict())
-    losses = []
-    for model, call in ((plain, plain), (managed, sn.wrap(managed, policy="recompute"))):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        losses.append([])
-        for step in range(3):
-            if step == 1:
-                model.scale = 3.0
-            optimizer.zero_grad()
-            loss = F.nll_loss(call(x), y)
-            loss.backward()
-            optimizer.step()
-            losses[-1].append(loss.item())
-    assert losses[0] == losses[1]
+
+    def change(model, step):
+        if step == 1:
+            model.scale = 3.0
+    wrapped = sn.wrap(managed, policy="recompute")
+    assert _trained(plain, x, y, change, 3, lr=0.5) == \
+        _trained(managed, x, y, change, 3, call=wrapped, lr=0.5)
