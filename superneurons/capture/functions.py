@@ -120,11 +120,7 @@ def function_called(node) -> str | None:
     """The name of the Function a captured graph's node calls, or None where it calls none."""
     if node.target is not FUNCTION_OP._opoverload:
         return None
-    return function_called_by(node.args[0])
-
-
-def function_called_by(key: int) -> str:
-    return _name(_CALLS[key])
+    return _name(_CALLS[node.args[0]])
 
 
 class _DeviceCopy(nn.Parameter):
@@ -153,7 +149,7 @@ class _DeviceCopy(nn.Parameter):
             "state=\"device\"")
 
 
-def _as_parameters(call: _Call, tensors: list, needs: list | None = None) -> list:
+def _as_parameters(call: _Call, tensors: list) -> list:
     """The tensors, a device copy in a place that held a Parameter at capture as one (Rule 4).
     Where the state is on the device a step gives the Parameter itself there, and capture a
     twin (meta or fake), which stays as it is."""
@@ -163,7 +159,7 @@ def _as_parameters(call: _Call, tensors: list, needs: list | None = None) -> lis
     for i in call.parameters:
         tensor = given[i]
         if not isinstance(tensor, (nn.Parameter, FakeTensor)) and not tensor.is_meta:
-            given[i] = _DeviceCopy(tensor, tensor.requires_grad if needs is None else needs[i])
+            given[i] = _DeviceCopy(tensor, tensor.requires_grad)
     return given
 
 
@@ -291,10 +287,9 @@ def _backward(ctx, grads):
     """Rule 1: the forward again, then the Function's own backward through it."""
     call = _CALLS[ctx.key]
     saved = [ctx.parameters.get(i, t) for i, t in enumerate(ctx.saved_tensors)]
-    inputs = _as_parameters(call, [t if i in ctx.parameters else t.detach()      # Rule 4
-                                   for i, t in enumerate(saved)], ctx.needs)
-    inputs = [t if isinstance(t, nn.Parameter) else t.requires_grad_(need)
-              for t, need in zip(inputs, ctx.needs)]
+    inputs = _as_parameters(call, [t if i in ctx.parameters else                 # Rule 4
+                                   t.detach().requires_grad_(need)
+                                   for i, (t, need) in enumerate(zip(saved, ctx.needs))])
     with contextlib.ExitStack() as regions:
         for region in (_calling(), _random_as(ctx.random), torch.enable_grad(), _traced(inputs),
                        *[torch.autocast(device, dtype=dtype, enabled=enabled)
@@ -311,7 +306,7 @@ def _backward(ctx, grads):
     if written:                                                                 # Rule 4
         copy = isinstance(inputs[written[0]], _DeviceCopy)
         raise ValueError(
-            f"the backward of the custom autograd Function {function_called_by(ctx.key)} "
+            f"the backward of the custom autograd Function {_name(call)} "
             f"sets .grad of its input {written[0]} itself, which superneurons passes as "
             + ("the parameter's device copy (state=\"host\")" if copy else
                "a tensor of its own") + ": the write would be lost. Return the gradient from "
