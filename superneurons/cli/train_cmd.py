@@ -157,6 +157,10 @@ def _train(args, progress: Progress) -> None:
         if rank != 0:
             return
     stats = stats_of.stats
+    predicted = ["predicted peak", format_bytes(stats.predicted_peak_bytes)]
+    if stats.measured:                     # beside it, what the measured peak also counts
+        predicted = [predicted[0] + " + what the model does not own",
+                     f"{predicted[1]} + {format_bytes(stats.foreign_bytes)}"]
     print_table(f"{args.model}, {named.inputs} x {world} processes, {args.steps} steps on "
                 f"{device}",
                 ["what", "value"], [
@@ -178,10 +182,7 @@ def _train(args, progress: Progress) -> None:
                      f"{first.machine_seconds:.2f} s / {first.host_check_seconds:.2f} s"],
                     ["first step: host memory taken / allocator read",
                      f"{first.host_memory_seconds:.2f} s / {first.calibration_seconds:.2f} s"],
-                    ["predicted peak" + (" + what the model does not own" if stats.measured
-                                         else ""),
-                     format_bytes(stats.predicted_peak_bytes) + (
-                         f" + {format_bytes(stats.foreign_bytes)}" if stats.measured else "")],
+                    predicted,
                     ["peak" + (" (measured)" if stats.measured else " (pool-accounted)"),
                      format_bytes(stats.peak_bytes)],
                     *([["allocator retries, last step (its limit reached)",
