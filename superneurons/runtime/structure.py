@@ -99,15 +99,14 @@ class Structure:
                 tuple(map(len, self._owners)) != self._owner_sizes:
             self._list_scalars(list(self.model.named_modules()))
             values = tuple(map(dict.get, self._scalar_dicts, self._scalar_names))
-        last, self._last_scalars = self._last_scalars, (tuple(self._scalar_paths), values)
-        if last is not None and last[1] != values:
+        # the paths' list is made anew at each listing, never changed: held, not copied
+        last, self._last_scalars = self._last_scalars, (self._scalar_paths, values)
+        if not self._warned and last is not None and last[1] != values:
             self._warn(dict(zip(*last)), dict(zip(self._scalar_paths, values)))
         return values
 
     def _warn(self, last: dict, now: dict) -> None:
         """Once per model: a scalar changed, so the step is captured again for its value."""
-        if self._warned:
-            return
         changed = next((path for path, value in now.items()
                         if path not in last or last[path] != value), None)
         if changed is None:
