@@ -1,6 +1,8 @@
 """The wrapper's list of its model's modules and parameters (runtime/structure.py): read again
 when the model changes, however it changes, not walked at every call."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +178,30 @@ def test_a_class_default_set_on_the_instance_is_keyed_and_a_class_config_is_not_
     wrapped = sn.wrap(managed, policy="recompute")
     assert _trained(plain, x, y, change, 3, lr=0.5) == \
         _trained(managed, x, y, change, 3, call=wrapped, lr=0.5)
+
+
+def test_a_config_value_the_forward_sets_at_its_first_call_is_no_change():
+    """HF's sequence classifiers set config.problem_type at their first call: the key is read
+    after capture, so the next step neither captures again nor warns."""
+    from types import SimpleNamespace
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, self.lin = SimpleNamespace(problem_type=None), nn.Linear(8, 3)
+
+        def forward(self, x):
+            if self.config.problem_type is None:
+                self.config.problem_type = "single_label_classification"
+            return F.log_softmax(self.lin(x), -1)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    plain, managed = Classifier(), Classifier()
+    managed.load_state_dict(plain.state_dict())
+    wrapped = sn.wrap(managed, policy="recompute")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _trained(managed, x, y, lambda model, step: None, 3, call=wrapped)
+    assert got == _trained(plain, x, y, lambda model, step: None, 3)
+    assert len(wrapped._executors) == 1

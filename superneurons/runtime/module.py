@@ -1,11 +1,11 @@
 """wrap(): a drop-in nn.Module whose training steps run within a memory budget.
 
-Rule 1: the plan is made at the first forward for each input structure, tensor shape and
-        dtype, value of every non-tensor argument (a captured graph specializes on them),
-        every module's training mode and scalars (a dropout's p, its config's: structure.py),
-        every parameter's requires_grad and the autocast state, and reused (bf16 autocast
-        holds about half the bytes) while among the MAX_PLANS used last (Rule 5). Other Python
-        state the forward reads is fixed at capture: replan() after changing it.
+Rule 1: a plan is made at the first forward for each input structure, tensor shape and dtype,
+        value of every non-tensor argument (a graph specializes on them), module's training
+        mode and scalars (a dropout's p, its config's: structure.py), parameter's requires_grad
+        and the autocast state, as read after capture (HF classifiers set config.problem_type
+        at their first call), and reused while among the MAX_PLANS used last (Rule 5). Other
+        Python state the forward reads is fixed at capture: replan() after changing it.
 Rule 2: when the budget holds the whole step with liveness alone, the model runs untouched:
         no copy, no replay (plain PyTorch already frees tensors after last use). On CUDA a
         call's first step runs managed, fitting cuDNN's engines to the budget (untouched.py
@@ -90,8 +90,8 @@ from .host_memory import check_first_step, check_state_fits
 from .machine import machine_of
 from .near_limit import managed_out_of_memory, untouched_out_of_memory
 from .outside import seen_bytes
-from .state import check_state_tier, to_host_memory
 from .reads_through import ReadsThrough
+from .state import check_state_tier, to_host_memory
 from .stats import StepStats, step_stats
 from .structure import Structure
 from .trial import PlanTrials
@@ -103,14 +103,12 @@ _MANAGED = (Policy.OFFLOAD, Policy.RECOMPUTE, Policy.SUPERNEURONS)
 _DECIDES_UNTOUCHED = (*_MANAGED, Policy.AUTO)
 
 # Plans kept per wrapped model (Rule 5). A training loop meets a few calls again and again: its
-# batch, the epoch's last partial batch, and the same two in eval() mode where validation runs
-# with grad enabled (frozen BatchNorm, a loss on the validation set under autograd). Four keep
-# such a loop from capturing again every epoch (a capture takes seconds on a large model); a
-# model fed ever new shapes holds at most four executors, each with its pinned host memory.
+# batch, the epoch's last partial batch, and both in eval() mode where validation runs with
+# grad (frozen BatchNorm). Four keep it from capturing again every epoch (seconds on a large
+# model); a model fed ever new shapes holds at most four executors, each with pinned memory.
 MAX_PLANS = 4
 
-# what the first step is doing, for a command line's status display; INFO, so silent unless a
-# caller asks (the package's logger has a NullHandler)
+# the first step's doings for a command line's status (INFO: silent unless a caller asks)
 log = logging.getLogger(__name__)
 
 
@@ -204,8 +202,8 @@ class SuperNeuronsModule(ReadsThrough, RefusesDDPOverHostState, nn.Module):
             if key in self._dropped:
                 self._warn_recapture()
             try:
-                planned, foreign = self._make(key, args, kwargs, tensors, device, autocast,
-                                              packed)
+                planned, foreign, key = self._make(key, args, kwargs, tensors, device,
+                                                   autocast, packed)
             except BaseException:
                 self._unreported.pop(key, None)       # no plan: no step will report its making
                 raise
@@ -368,15 +366,17 @@ class SuperNeuronsModule(ReadsThrough, RefusesDDPOverHostState, nn.Module):
                         device=device if self.state == "host" else None, packed_positions=packed,
                         slice_loss=self.slice_loss)
         graph.outside_gradients = self.outside_gradients                # Rule 9
+        key = (key[0], self.structure.settle(), *key[2:])          # Rule 1, as captured
         self._made(key, capture_seconds=time.perf_counter() - began)
         foreign = None
         if self.budget_bytes is not None and reads_device_memory(device):
             foreign = foreign_bytes(graph, tensors, device, self.model.parameters(),
                                     state_on_device=self.state == "device")
         try:
-            return self._plan(key, graph, device, foreign), foreign
-        except BudgetError as error:
-            if not graph.outside_gradients:
+            return self._plan(key, graph, device, foreign), foreign, key
+        except BaseException as error:
+            self._unreported.pop(key, None)       # no plan: no step will report its making
+            if not isinstance(error, BudgetError) or not graph.outside_gradients:
                 raise
             raise BudgetError(
                 f"{error} (This plan counts a gradient from outside the model for every "

@@ -120,6 +120,12 @@ class Structure:
             "kept among wrapped.max_plans), as for every module attribute changed from now on",
             stacklevel=5)
 
+    def settle(self) -> tuple:
+        """The key read again, without a warning: after capture ran the forward, what the
+        forward set itself is the model's state, not a change."""
+        self._last_scalars = None
+        return self.read()[0]
+
     def read(self) -> tuple:
         """(key, parameters): what a captured graph specializes on beyond its arguments, every
         module's training mode (BatchNorm frozen by eval()), every parameter's requires_grad
